@@ -1,0 +1,23 @@
+# The README's two commands: `make run` (main job) and `make test` (the test suite).
+# Both create .venv on first use. --system-site-packages keeps a torch/triton that the machine
+# already has (a GPU image); on a fresh machine the CPU build torch==2.13.0 is installed instead
+# of the multi-GB CUDA wheels, and triton 3.6 for its CPU interpreter.
+PY := .venv/bin/python
+
+.venv/.ready: pyproject.toml
+	python3 -m venv --system-site-packages .venv
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $@
+
+.PHONY: run test lint
+run: .venv/.ready
+	$(PY) examples/quickstart.py
+
+# Kernels run in Triton's interpreter on CPU; GPU tests (`-m gpu`) skip without CUDA.
+test: .venv/.ready
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu"
+
+lint: .venv/.ready
+	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -1,0 +1,1 @@
+"""Triton kernels and their launchers. Triton only: no autograd, no input validation."""
