@@ -1,0 +1,479 @@
+"""moekit.ops.permute / unpermute / sort_chunks_by_index against the PyTorch reference.
+
+On CPU with TRITON_INTERPRET=1 the ops run the Triton kernels in the interpreter (small shapes);
+`pytest -m gpu` runs the real shapes on CUDA, including sync-freedom and CUDA-graph replay.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
+from moekit.reference import permute as ref
+from tests.reference.test_permute_reference import CASES, make_routing, naive_dispatch
+
+# The interpreter's scalar conversions warn under numpy >= 1.25; noise, not a finding.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")
+
+H_ODD = 40  # a multiple of 8 but not of 16: exercises the masked tail of a BLOCK_H chunk
+
+
+def _routing(T, E, k, kind="random", device="cpu"):
+    if T == 0:
+        return torch.zeros(0, k, dtype=torch.long, device=device), torch.zeros(0, k, device=device)
+    indices, probs = make_routing(T, E, k, kind)
+    return indices.to(device), probs.to(device)
+
+
+def _ref_dispatch(hidden, indices, probs, E, align, num_rows):
+    """Reference forward: (row_index, tpe, counts, offsets, permuted, permuted_probs)."""
+    meta = ref.routing_metadata_torch(indices, E, align or 1)
+    out, out_probs = ref.scatter_rows_torch(hidden, meta[0], num_rows, probs)
+    return (*meta, out, out_probs)
+
+
+def _check_invariants(d: Dispatch, hidden: torch.Tensor, indices: torch.Tensor) -> None:
+    """Structure every dispatch must have, whatever the routing."""
+    T, k = indices.shape
+    E, R = d.num_experts, d.num_rows
+    a = d.align or 1
+    assert d.hidden.shape == (R, hidden.shape[1]) and d.hidden.dtype == hidden.dtype
+    assert d.offsets.dtype == torch.int32 and d.counts.dtype == torch.int32
+    counts, offsets, tpe = d.counts.long(), d.offsets.long(), d.tokens_per_expert.long()
+    assert int(tpe.sum()) == int((d.row_index >= 0).sum())
+    if d.dropless:
+        assert int(tpe.sum()) == T * k
+    assert torch.equal(offsets, torch.cumsum(counts, 0))
+    starts = offsets - counts
+    assert bool((starts % a == 0).all()) and bool((counts % a == 0).all())
+    assert bool((counts >= tpe).all()) and bool((counts - tpe < a).all())
+    assert int(offsets[-1]) <= R
+    # Undo ∘ do: every kept slot's row holds its token, inside its expert's segment, in order.
+    rows = d.row_index.long()
+    kept = rows >= 0
+    tok = torch.arange(T)[:, None].expand(T, k)
+    assert torch.equal(d.hidden[rows[kept]], hidden[tok[kept]])
+    e = indices.long()[kept]
+    assert bool((rows[kept] >= starts[e]).all()) and bool((rows[kept] < starts[e] + tpe[e]).all())
+    assert rows[kept].unique().numel() == rows[kept].numel()
+    # Rows that no slot names (padding and the tail) are zero, probs too.
+    used = torch.zeros(R, dtype=torch.bool)
+    used[rows[kept]] = True
+    assert not d.hidden[~used].any()
+    if d.probs is not None:
+        assert not d.probs[~used].any()
+    for ex in range(E):  # tokens keep their original order inside an expert
+        r = rows[kept][e == ex]
+        assert torch.equal(r, r.sort().values)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward against the reference
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T,E,k,kind", CASES)
+@pytest.mark.parametrize("align", [None, 16])
+def test_permute_unpermute_match_reference(T, E, k, kind, align):
+    indices, probs = _routing(T, E, k, kind)
+    hidden = torch.randn(T, H_ODD)
+    d = permute(hidden, indices, probs, num_experts=E, align=align)
+    R = T * k + (min(E, T * k) * (align - 1) if align else 0)
+    assert d.num_rows == R and (d.num_tokens, d.topk, d.num_experts, d.align) == (T, k, E, align)
+    want = _ref_dispatch(hidden, indices, probs, E, align, R)
+    got = (d.row_index, d.tokens_per_expert, d.counts, d.offsets, d.hidden, d.probs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    _check_invariants(d, hidden, indices)
+    oracle = naive_dispatch(indices, E, align or 1)
+    assert torch.equal(d.row_index, oracle["row_index"])
+    # Weighted combine of the untouched rows gives the tokens back (probs sum to one).
+    expert_out = torch.randn_like(d.hidden)
+    y = unpermute(expert_out, d)
+    torch.testing.assert_close(y, ref.gather_rows_torch(expert_out, d.row_index, d.probs))
+    torch.testing.assert_close(unpermute(d.hidden, d), hidden)
+    y0 = unpermute(expert_out, d, weighted=False)
+    torch.testing.assert_close(y0, ref.gather_rows_torch(expert_out, d.row_index))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_dtypes(dtype):
+    T, E, k = 19, 6, 2
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, H_ODD).to(dtype)
+    d = permute(hidden, indices, probs.to(dtype), num_experts=E, align=8)
+    assert d.hidden.dtype == dtype and d.probs.dtype == dtype
+    _check_invariants(d, hidden, indices)
+    y = unpermute(d.hidden, d)
+    assert y.dtype == dtype
+    want = ref.gather_rows_torch(d.hidden, d.row_index, d.probs)
+    torch.testing.assert_close(y, want)
+
+
+@pytest.mark.parametrize("align", [8, 32, 64, 128])
+def test_every_align(align):
+    # Prime E and few tokens: most segments are mostly padding, some experts are empty.
+    T, E, k = 10, 11, 2
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, 16)
+    d = permute(hidden, indices, probs, num_experts=E, align=align)
+    assert d.num_rows == T * k + min(E, T * k) * (align - 1)
+    _check_invariants(d, hidden, indices)
+
+
+def test_out_rows():
+    T, E, k = 12, 5, 2
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, 16)
+    d = permute(hidden, indices, probs, num_experts=E, align=8, out_rows="exact")
+    assert d.num_rows == int(d.offsets[-1])
+    _check_invariants(d, hidden, indices)
+    # A caller-known bound larger than needed: the tail is zero.
+    d2 = permute(hidden, indices, probs, num_experts=E, out_rows=T * k + 8)
+    assert d2.num_rows == T * k + 8
+    _check_invariants(d2, hidden, indices)
+    torch.testing.assert_close(unpermute(d2.hidden, d2), hidden)
+
+
+@pytest.mark.parametrize("align", [None, 8])
+def test_capacity_factor(align):
+    T, E, k = 24, 4, 2
+    indices, probs = _routing(T, E, k, "one_expert")  # overflows the favourite expert
+    hidden = torch.randn(T, 16)
+    d = permute(hidden, indices, probs, num_experts=E, align=align, capacity_factor=1.0)
+    a = align or 1
+    capacity = -(-(T * k // E) // a) * a
+    assert d.num_rows == E * capacity and not d.dropless
+    assert bool((d.tokens_per_expert <= capacity).all())
+    _check_invariants(d, hidden, indices)
+    kept_idx = ref.capacity_drop_torch(indices, probs, E, capacity)
+    assert torch.equal(d.row_index >= 0, kept_idx >= 0)
+    # Every dropped slot is one whose prob is lower than all kept slots of its expert.
+    for e in range(E):
+        mine = indices == e
+        kept_p, dropped_p = probs[mine & (d.row_index >= 0)], probs[mine & (d.row_index < 0)]
+        if dropped_p.numel():
+            assert float(dropped_p.max()) <= float(kept_p.min())
+    # A token whose slots were all dropped gets zeros back.
+    y = unpermute(d.hidden, d)
+    gone = (d.row_index < 0).all(dim=1)
+    assert not y[gone].any()
+    want = (hidden[:, None] * (probs * (d.row_index >= 0))[..., None]).sum(1)
+    torch.testing.assert_close(y, want)
+
+
+def test_routing_map():
+    T, E, k = 14, 6, 3
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, 16)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, indices, True)
+    full_probs = torch.zeros(T, E).scatter_(1, indices, probs)
+    d = permute(hidden, probs=full_probs, routing_map=routing_map, topk=k, align=8)
+    base = permute(hidden, indices, probs, num_experts=E, align=8)
+    # Same rows as the indices path (slot order inside a token does not matter).
+    for name in ("hidden", "probs", "counts", "offsets", "tokens_per_expert"):
+        torch.testing.assert_close(getattr(d, name), getattr(base, name), rtol=0, atol=0)
+    # Tokens with fewer experts than topk (here: none for token 0, one for token 1).
+    routing_map[0] = False
+    routing_map[1] = False
+    routing_map[1, 2] = True
+    d = permute(hidden, probs=full_probs, routing_map=routing_map.int(), topk=k)
+    assert d.num_rows == T * k and not d.dropless
+    assert int(d.tokens_per_expert.sum()) == int(routing_map.sum())
+    y = unpermute(d.hidden, d, weighted=False)
+    torch.testing.assert_close(y, hidden * routing_map.sum(1, keepdim=True).float())
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradients
+# ------------------------------------------------------------------------------------------------
+
+
+def _moe_like(hidden, indices, probs, E, align, w, **kw):
+    d = permute(hidden, indices, probs, num_experts=E, align=align, **kw)
+    return unpermute(d.hidden @ w, d), d
+
+
+@pytest.mark.parametrize("align,capacity", [(None, None), (16, None), (8, 0.75)])
+def test_gradients_match_reference(align, capacity):
+    T, E, k, H = 17, 5, 3, 24
+    indices, probs = _routing(T, E, k, "shuffled")
+    hidden = torch.randn(T, H, requires_grad=True)
+    probs.requires_grad_(True)
+    w = torch.randn(H, H, requires_grad=True)
+    y, d = _moe_like(hidden, indices, probs, E, align, w, capacity_factor=capacity)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (hidden, probs, w), g)
+
+    idx = indices
+    if capacity is not None:
+        idx = ref.capacity_drop_torch(indices, probs.detach(), E, d.num_rows // E)
+    *_, ph, pp = _ref_dispatch(hidden, idx, probs, E, align, d.num_rows)
+    row_index = ref.routing_metadata_torch(idx, E, align or 1)[0]
+    y_ref = ref.gather_rows_torch(ph @ w, row_index, pp)
+    want = torch.autograd.grad(y_ref, (hidden, probs, w), g)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradients_unweighted_and_partial():
+    T, E, k, H = 9, 4, 2, 16
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, H, requires_grad=True)
+    d = permute(hidden, indices, probs, num_experts=E, align=8)  # probs need no grad
+    y = unpermute(d.hidden * 2, d, weighted=False)
+    (gh,) = torch.autograd.grad(y.sum(), (hidden,))
+    torch.testing.assert_close(gh, torch.full_like(hidden, 2.0 * k))
+    # Only probs need grad: dprobs[t, s] = <grad_y[t], expert_out[row]>.
+    probs = probs.clone().requires_grad_(True)
+    x = torch.randn(T, H)
+    d = permute(x, indices, probs, num_experts=E)
+    expert_out = torch.randn_like(d.hidden)
+    g = torch.randn(T, H)
+    (gp,) = torch.autograd.grad(unpermute(expert_out, d), (probs,), g)
+    want = (expert_out[d.row_index.long()] * g[:, None]).sum(-1)
+    torch.testing.assert_close(gp, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# sort_chunks_by_index
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sort_chunks_by_index(with_probs):
+    ranks, experts, H = 3, 4, 16
+    sizes = torch.randint(0, 4, (ranks * experts,))
+    sizes[1] = 0  # an empty chunk
+    N = int(sizes.sum()) + 3  # rows past the chunks stay in place
+    # [rank][expert] → [expert][rank]
+    order = torch.arange(ranks * experts).view(ranks, experts).t().reshape(-1)
+    x = torch.randn(N, H, requires_grad=True)
+    probs = torch.rand(N, requires_grad=True) if with_probs else None
+    out, out_probs = sort_chunks_by_index(x, sizes, order, probs)
+    chunks = list(x.detach().split([*sizes.tolist(), 3]))
+    want = torch.cat([chunks[i] for i in order.tolist()] + [chunks[-1]])
+    assert torch.equal(out, want)
+    if with_probs:
+        pc = list(probs.detach().split([*sizes.tolist(), 3]))
+        assert torch.equal(out_probs, torch.cat([pc[i] for i in order.tolist()] + [pc[-1]]))
+    else:
+        assert out_probs is None
+    g = torch.randn_like(out)
+    loss = (out * g).sum() + ((out_probs * torch.arange(N)).sum() if with_probs else 0)
+    grads = torch.autograd.grad(loss, (x, probs) if with_probs else (x,))
+    row_map = ref.sort_chunks_row_map_torch(sizes, order, N).long()
+    torch.testing.assert_close(grads[0], g[row_map])
+    if with_probs:
+        torch.testing.assert_close(grads[1], row_map.float())
+
+
+# ------------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------------
+
+
+def test_bad_input_errors():
+    T, E, k = 6, 4, 2
+    indices, probs = _routing(T, E, k)
+    h = torch.randn(T, 16)
+    with pytest.raises(ValueError, match="num_experts is required"):
+        permute(h, indices, probs)
+    with pytest.raises(ValueError, match=r"indices\.shape\[0\]"):
+        permute(h[:5], indices, probs, num_experts=E)
+    with pytest.raises(ValueError, match="probs must have the shape of indices"):
+        permute(h, indices, probs[:, :1], num_experts=E)
+    with pytest.raises(TypeError, match="indices must have dtype"):
+        permute(h, indices.float(), probs, num_experts=E)
+    with pytest.raises(TypeError, match="probs must have dtype"):
+        permute(h, indices, indices, num_experts=E)
+    with pytest.raises(TypeError, match="hidden must have dtype"):
+        permute(h.long(), indices, probs, num_experts=E)
+    with pytest.raises(ValueError, match="hidden must be 2-D"):
+        permute(h[None], indices, probs, num_experts=E)
+    with pytest.raises(ValueError, match="unit stride"):
+        permute(h.t().contiguous().t(), indices, probs, num_experts=E)
+    for bad in (7, 256, 0, 1, True, 16.0):
+        with pytest.raises(ValueError, match="align must be None or one of"):
+            permute(h, indices, probs, num_experts=E, align=bad)
+    with pytest.raises(ValueError, match="num_experts must be >= 1"):
+        permute(h, indices, probs, num_experts=0)
+    with pytest.raises(ValueError, match="indices or routing_map"):
+        permute(h, indices, probs, num_experts=E, routing_map=torch.ones(T, E, dtype=torch.bool))
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        permute(h, indices, probs, num_experts=E, capacity_factor=0.0)
+    # Out-of-range and negative ids are caught with validate=True.
+    for value in (E, -1):
+        bad = indices.clone()
+        bad[3, 1] = value
+        with pytest.raises(ValueError, match=r"outside \[0, num_experts=4\)"):
+            permute(h, bad, probs, num_experts=E, validate=True)
+        # Without validate it is undefined but never writes out of bounds (the slot is dropped).
+        d = permute(h, bad, probs, num_experts=E)
+        assert int(d.row_index[3, 1]) == -1
+    d = permute(h, indices, num_experts=E)
+    with pytest.raises(ValueError, match=r"needs dispatch\.probs"):
+        unpermute(d.hidden, d)
+    with pytest.raises(ValueError, match=r"dispatch\.num_rows"):
+        unpermute(d.hidden[:-1], d, weighted=False)
+    with pytest.raises(TypeError, match="dispatch must be a Dispatch"):
+        unpermute(d.hidden, (d.hidden, d.offsets))
+    with pytest.raises(ValueError, match=r"sorted_index\.shape\[0\]"):
+        sort_chunks_by_index(h, torch.tensor([3, 3]), torch.tensor([1, 0, 2]))
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU: real shapes, sync-freedom, CUDA graphs, device-side validation
+# ------------------------------------------------------------------------------------------------
+
+GPU_SHAPES = [
+    # (T, H, E, k)
+    (4096, 2048, 64, 8),
+    (2048, 7168, 256, 8),
+    (1000, 1024, 8, 2),  # T not a multiple of any block size
+    (333, 1032, 13, 4),  # prime E, H = 8 · odd
+    (1, 2048, 128, 8),
+]
+
+
+def _gpu_routing(T, E, k):
+    indices, probs = make_routing(T, E, k, "shuffled")
+    return indices.cuda(), probs.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,H,E,k", GPU_SHAPES)
+@pytest.mark.parametrize("align", [None, 16, 128])
+def test_gpu_matches_reference(T, H, E, k, align):
+    indices, probs = _gpu_routing(T, E, k)
+    hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs.requires_grad_(True)
+    d = permute(hidden, indices, probs, num_experts=E, align=align)
+    want = _ref_dispatch(hidden.detach(), indices, probs.detach(), E, align, d.num_rows)
+    got = (d.row_index, d.tokens_per_expert, d.counts, d.offsets, d.hidden, d.probs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    expert_out = torch.randn_like(d.hidden).requires_grad_(True)
+    y = unpermute(expert_out, d)
+    g = torch.randn_like(y)
+    gp, geo = torch.autograd.grad(y, (probs, expert_out), g)
+    # Reference in fp32 from the same bf16 values; our error is bf16 rounding of the result.
+    eo32 = expert_out.detach().float().requires_grad_(True)
+    p32 = probs.detach().clone().requires_grad_(True)
+    _, pp = ref.scatter_rows_torch(hidden.detach().float(), want[0], d.num_rows, p32)
+    y_ref = ref.gather_rows_torch(eo32, want[0], pp)
+    torch.testing.assert_close(y.float(), y_ref, rtol=1e-2, atol=1e-2)
+    gp_ref, geo_ref = torch.autograd.grad(y_ref, (p32, eo32), g.float())
+    torch.testing.assert_close(gp.float(), gp_ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(geo.float(), geo_ref, rtol=1e-2, atol=1e-2)
+    # Permute's backward: the unweighted combine of d.hidden sends k copies of g to each token.
+    (gh,) = torch.autograd.grad(unpermute(d.hidden, d, weighted=False), (hidden,), g)
+    torch.testing.assert_close(gh.float(), k * g.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_metadata_large_e():
+    # E = 1024 and many blocks: the counting sort against the reference.
+    indices, _ = _gpu_routing(20000, 1024, 16)
+    from moekit.kernels.permute import routing_metadata
+
+    for align in (1, 128):
+        got = routing_metadata(indices, 1024, align)
+        want = ref.routing_metadata_torch(indices, 1024, align)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_no_host_sync():
+    T, H, E, k = 4096, 2048, 64, 8
+    indices, probs = _gpu_routing(T, E, k)
+    hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs.requires_grad_(True)
+    permute(hidden, indices, probs, num_experts=E, align=16)  # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for kw in ({}, {"align": 16}, {"capacity_factor": 1.25}, {"validate": True}):
+            d = permute(hidden, indices, probs, num_experts=E, **kw)
+            y = unpermute(d.hidden * 2, d)
+            y.backward(torch.ones_like(y))
+        routing_map = torch.zeros(T, E, dtype=torch.bool, device="cuda").scatter_(1, indices, True)
+        permute(hidden, routing_map=routing_map, topk=k, align=128)
+        sizes = torch.full((16,), T // 16, device="cuda")
+        order = torch.arange(16, device="cuda").view(4, 4).t().reshape(-1)
+        out, _ = sort_chunks_by_index(hidden, sizes, order)
+        out.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [None, 128])
+def test_gpu_cuda_graph_replay_new_routing(align):
+    T, H, E, k = 2048, 1024, 32, 4
+    s_idx, s_probs = _gpu_routing(T, E, k)
+    s_hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    s_grad = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        h = s_hidden.detach().requires_grad_(True)
+        p = s_probs.detach().requires_grad_(True)
+        d = permute(h, s_idx, p, num_experts=E, align=align)
+        y = unpermute(d.hidden.float().mul(1.5).to(d.hidden.dtype), d)
+        gh, gp = torch.autograd.grad(y, (h, p), s_grad)
+        return y, gh, gp, d.hidden
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    for _ in range(2):  # a new routing every replay
+        new_idx, new_probs = _gpu_routing(T, E, k)
+        s_idx.copy_(new_idx)
+        s_probs.copy_(new_probs)
+        s_hidden.normal_()
+        graph.replay()
+        eager = step()
+        for a, b in zip(static_out, eager):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_gpu_validate_detects_bad_indices_without_sync():
+    # A device-side assert poisons the CUDA context, so it runs in its own process.
+    script = textwrap.dedent(
+        """
+        import torch
+        from moekit.ops.permute import permute
+        idx = torch.randint(0, 8, (64, 2), device="cuda")
+        idx[5, 1] = 8
+        h = torch.randn(64, 128, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        permute(h, idx, num_experts=8, validate=True)  # must not sync
+        torch.cuda.set_sync_debug_mode(0)
+        print("launched", flush=True)
+        torch.cuda.synchronize()
+        print("not detected", flush=True)
+        """
+    )
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=root, timeout=300
+    )
+    assert "launched" in proc.stdout, proc.stderr
+    assert "not detected" not in proc.stdout
+    assert proc.returncode != 0
