@@ -9,9 +9,6 @@ import triton
 
 from moekit.config import interpret_mode
 
-_allocator_installed = False
-
-
 def _scratch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side TMA descriptors (tl.make_tensor_descriptor) live in this scratch memory.
     # Allocating through torch keeps it inside the caching allocator, so CUDA-graph capture works.
@@ -20,11 +17,12 @@ def _scratch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tenso
 
 
 def ensure_scratch_allocator() -> None:
-    """Install the global-scratch allocator that device-side tensor descriptors need (once)."""
-    global _allocator_installed
-    if not _allocator_installed:
-        triton.set_allocator(_scratch_alloc)
-        _allocator_installed = True
+    """Install the global-scratch allocator that device-side tensor descriptors need.
+
+    Triton keeps the allocator in a ContextVar, so it is set on every launch: autograd runs
+    backward in its own thread, whose context does not see a set made in the main thread.
+    """
+    triton.set_allocator(_scratch_alloc)
 
 
 @functools.lru_cache(maxsize=None)

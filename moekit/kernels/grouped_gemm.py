@@ -1,0 +1,491 @@
+"""Grouped GEMM for Mixture-of-Experts: every expert in one persistent launch.
+
+Two forms, both with fp32 accumulation, TMA tensor descriptors and an on-device tile scheduler:
+
+* ragged M (forward, dgrad):  c[T, N] = a[T, K] @ b[e][K, N] for the rows of expert e
+* ragged K (weight gradient): c[e][M, N] = a[M, Te] @ b[Te, N] over the columns of expert e
+
+``offsets`` [E] holds cumulative end offsets (the ``torch._grouped_mm`` convention) and is read
+only on the device: the grid is one program per SM and every tile's expert is derived in the
+kernel from ``offsets``, so nothing is synchronised with the host and launches are graph-capturable.
+
+Ragged-M scheduler. Expert e owns rows [start_e, end_e) and ceil(count_e / BLOCK_M) m-tiles; the
+kernel loads all E offsets as one vector, takes an inclusive cumsum of the m-tile counts, and maps
+a global m-tile index g to its expert by counting cumsum entries <= g. A tile that starts inside an
+expert may run past its end into the next expert's rows: those accumulator rows are never stored
+(the partial tile stores through a descriptor whose row bound is end_e), so reading them is
+harmless. Rows in [offsets[-1], T) are zero-filled by the same launch.
+
+Ragged-K scheduler. Tiles are (expert, m-tile, n-tile), a static count. Each tile loads through
+descriptors whose T-extent is end_e, so the TMA engine zero-fills the K tail and no other expert's
+rows leak into the sum.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.config import autotune_enabled, interpret_mode
+from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    flatten: bool = False  # fuse the tile and K loops (overlaps a tile's epilogue with the next)
+    c_tma: bool = True  # TMA store (or TMA reduce-add) of C vs masked st.global
+    warp_specialize: bool = False  # producer/consumer warps for the tile loop
+    ctas_per_sm: int = 1  # 2: two co-resident programs overlap each other's prologue/epilogue
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swizzle_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    # Neighbouring tiles share a band of GROUP_M row tiles, so concurrently running programs
+    # reuse each other's A and B tiles through L2.
+    per_group = GROUP_M * num_n
+    group = tile // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % per_group) % group_size
+    pid_n = (tile % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _grouped_mm_ragged_m_kernel(
+    # pointers
+    a_ptr,  # [T, K]
+    b_ptr,  # [E, K, N] (any two unit-stride layouts, see B_K_MAJOR)
+    c_ptr,  # [T, N]
+    bias_ptr,  # [E, N] or dummy
+    offsets_ptr,  # [E] cumulative end offsets
+    # sizes
+    T,
+    N,
+    K,
+    E,
+    # strides
+    stride_a_t,
+    stride_b_e,
+    stride_b_k,
+    stride_b_n,
+    stride_c_t,
+    stride_bias_e,
+    # meta
+    B_K_MAJOR: tl.constexpr,  # b[e] stored [N, K] (an nn.Linear weight viewed transposed)
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    C_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
+):
+    dtype = c_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+
+    # Per-expert row ranges, clamped to [0, T] so that malformed offsets cannot address memory
+    # outside a or c (their result is documented as undefined, not as a crash).
+    offs_e = tl.arange(0, BLOCK_E)
+    in_e = offs_e < E
+    ends = tl.load(offsets_ptr + offs_e, mask=in_e, other=0).to(tl.int32)
+    ends = tl.minimum(tl.maximum(ends, 0), T)
+    ends = tl.where(in_e, ends, tl.max(ends, axis=0))
+    starts = tl.load(offsets_ptr + offs_e - 1, mask=in_e & (offs_e > 0), other=0).to(tl.int32)
+    starts = tl.minimum(tl.maximum(starts, 0), T)
+    counts = tl.where(in_e, tl.maximum(ends - starts, 0), 0)
+    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    cum_m_tiles = tl.cumsum(m_tiles, axis=0)  # inclusive
+    total_m = tl.sum(m_tiles, axis=0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = total_m * num_n
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    a_desc = tl.make_tensor_descriptor(
+        a_ptr, shape=[T, K], strides=[stride_a_t, 1], block_shape=[BLOCK_M, BLOCK_K]
+    )
+    if B_K_MAJOR:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr,
+            shape=[E, N, K],
+            strides=[stride_b_e, stride_b_n, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+    else:
+        b_desc = tl.make_tensor_descriptor(
+            b_ptr,
+            shape=[E, K, N],
+            strides=[stride_b_e, stride_b_k, 1],
+            block_shape=[1, BLOCK_K, BLOCK_N],
+        )
+    c_desc = tl.make_tensor_descriptor(
+        c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
+    )
+
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+        g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
+        e = tl.sum((cum_m_tiles <= g_m).to(tl.int32), axis=0)
+        m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
+        row_start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
+        row_end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+        off_m = row_start + (g_m - m_before) * BLOCK_M
+        off_n = pid_n * BLOCK_N
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            a = a_desc.load([off_m, off_k])
+            if B_K_MAJOR:
+                b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                b = b_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(a, b, acc)
+
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        c = acc.to(dtype)
+        if C_TMA:
+            if off_m + BLOCK_M <= row_end:
+                c_desc.store([off_m, off_n], c)
+            else:
+                # The last tile of an expert: bound the store at the expert's end so the next
+                # expert's rows (computed by another program) are not overwritten.
+                c_end_desc = tl.make_tensor_descriptor(
+                    c_ptr,
+                    shape=[row_end, N],
+                    strides=[stride_c_t, 1],
+                    block_shape=[BLOCK_M, BLOCK_N],
+                )
+                c_end_desc.store([off_m, off_n], c)
+        else:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
+            tl.store(c_ptrs, c, mask=(rows[:, None] < row_end) & (cols[None, :] < N))
+
+    # Rows past offsets[-1] belong to no expert: zero them here rather than in a memset launch.
+    tail_start = tl.max(ends, axis=0)
+    tail_tiles = tl.cdiv(T - tail_start, BLOCK_M) * num_n
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
+    for tile in tl.range(pid, tail_tiles, NUM_PROGRAMS):
+        c_desc.store([tail_start + (tile // num_n) * BLOCK_M, (tile % num_n) * BLOCK_N], zeros)
+
+
+@triton.jit
+def _grouped_mm_ragged_k_kernel(
+    # pointers
+    a_ptr,  # [M, T]
+    b_ptr,  # [T, N]
+    c_ptr,  # [E, M, N]
+    offsets_ptr,  # [E] cumulative end offsets along T
+    # sizes
+    M,
+    N,
+    T,
+    E,
+    # strides
+    stride_a_m,
+    stride_a_t,
+    stride_b_t,
+    stride_b_n,
+    stride_c_e,
+    stride_c_m,
+    stride_c_n,
+    # meta
+    A_T_MAJOR: tl.constexpr,  # a is the transposed view of a [T, M] row-major tensor
+    B_N_MAJOR: tl.constexpr,  # b is row-major [T, N]; else the transposed view of [N, T]
+    ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+    C_TMA: tl.constexpr,  # c has unit stride along N: bulk async store / reduce-add
+    WARP_SPEC: tl.constexpr,
+):
+    dtype = c_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    num_tiles = E * per_expert
+    if C_TMA:
+        c_desc = tl.make_tensor_descriptor(
+            c_ptr,
+            shape=[E, M, N],
+            strides=[stride_c_e, stride_c_m, 1],
+            block_shape=[1, BLOCK_M, BLOCK_N],
+        )
+
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+        e = tile // per_expert
+        pid_m, pid_n = _swizzle_tile(tile % per_expert, num_m, num_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        end = tl.load(offsets_ptr + e).to(tl.int32)
+        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
+        end = tl.minimum(tl.maximum(end, 0), T)
+        start = tl.minimum(tl.maximum(start, 0), end)
+
+        # Descriptors bounded at this expert's end: the TMA engine zero-fills the K tail.
+        if A_T_MAJOR:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[end, M], strides=[stride_a_t, 1], block_shape=[BLOCK_K, BLOCK_M]
+            )
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, end], strides=[stride_a_m, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+        if B_N_MAJOR:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[end, N], strides=[stride_b_t, 1], block_shape=[BLOCK_K, BLOCK_N]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, end], strides=[stride_b_n, 1], block_shape=[BLOCK_N, BLOCK_K]
+            )
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(tl.cdiv(end - start, BLOCK_K)):
+            off_k = start + ki * BLOCK_K
+            if A_T_MAJOR:
+                a = tl.trans(a_desc.load([off_k, off_m]))
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_N_MAJOR:
+                b = b_desc.load([off_k, off_n])
+            else:
+                b = tl.trans(b_desc.load([off_n, off_k]))
+            acc = tl.dot(a, b, acc)
+
+        if C_TMA:
+            # Bulk async store / reduce-add: the SM moves on to the next tile while the copy
+            # engine drains this one, which is what hides main_grad's read-modify-write.
+            if ACCUMULATE:
+                if end > start:  # an expert with no columns leaves the accumulator untouched
+                    c_desc.atomic_add([e, off_m, off_n], acc.reshape(1, BLOCK_M, BLOCK_N))
+            else:
+                c_desc.store([e, off_m, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+        else:
+            rows = off_m + tl.arange(0, BLOCK_M)
+            cols = off_n + tl.arange(0, BLOCK_N)
+            mask = (rows[:, None] < M) & (cols[None, :] < N)
+            c_ptrs = (
+                c_ptr
+                + e.to(tl.int64) * stride_c_e
+                + rows[:, None] * stride_c_m
+                + cols[None, :] * stride_c_n
+            )
+            if ACCUMULATE:
+                if end > start:
+                    acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(c_ptrs, acc.to(dtype), mask=mask)
+            else:
+                tl.store(c_ptrs, acc.to(dtype), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+
+_INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, flatten=False)
+
+# Candidates for autotuning; the first is the heuristic default. Shared memory per stage is
+# (BM + BN) * BK * 2 bytes, plus the BM * BN epilogue tile, which bounds the stage count.
+_RAGGED_M_CANDIDATES_16 = (
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
+    GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
+    GemmConfig(64, 256, 64, num_warps=4, num_stages=2, ctas_per_sm=2),
+    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
+)
+_RAGGED_K_CANDIDATES_16 = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False),
+    GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=3, c_tma=False, ctas_per_sm=2),
+    GemmConfig(128, 128, 64, num_warps=4, num_stages=2, ctas_per_sm=2),
+)
+_CANDIDATES_32 = (
+    GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
+    GemmConfig(128, 64, 32, num_warps=4, num_stages=4),
+)
+
+_tuned: dict[tuple, GemmConfig] = {}
+
+
+def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
+    if dtype == torch.float32:
+        return _CANDIDATES_32
+    return _RAGGED_M_CANDIDATES_16 if kind == "m" else _RAGGED_K_CANDIDATES_16
+
+
+def _pick_config(kind: str, key: tuple, dtype: torch.dtype, device: torch.device, launch) -> GemmConfig:
+    """Heuristic config, or the fastest candidate timed once per static key (never the ragged
+    dimension) when autotuning is on and we are not inside CUDA-graph capture."""
+    if interpret_mode() or device.type != "cuda":
+        return _INTERPRET_CONFIG
+    full_key = (kind, dtype, *key)
+    cfg = _tuned.get(full_key)
+    if cfg is not None:
+        return cfg
+    candidates = _candidates(kind, dtype)
+    if not autotune_enabled() or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    best, best_ms = candidates[0], float("inf")
+    for cand in candidates:
+        try:
+            ms = triton.testing.do_bench(lambda c=cand: launch(c), warmup=5, rep=25)
+        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
+            # A candidate this compiler/device cannot build (shared memory, a failing pass) is
+            # pruned, visibly; the heuristic default is never pruned silently.
+            if cand is candidates[0]:
+                raise
+            warnings.warn(f"moekit: grouped GEMM config {cand} skipped: {str(exc)[:200]}", stacklevel=3)
+            continue
+        if ms < best_ms:
+            best, best_ms = cand, ms
+    _tuned[full_key] = best
+    return best
+
+
+def tuned_configs() -> dict[tuple, GemmConfig]:
+    """The autotuner's choices so far, keyed by (form, dtype, static sizes, layout)."""
+    return dict(_tuned)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _tma_compatible(t: torch.Tensor, unit_dim: int) -> bool:
+    size = t.element_size()
+    others = [st for d, st in enumerate(t.stride()) if d != unit_dim % t.dim()]
+    return (
+        t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in others)
+    )
+
+
+def grouped_mm_ragged_m(
+    a: torch.Tensor,  # [T, K], unit stride along K
+    b: torch.Tensor,  # [E, K, N], unit stride along K or N
+    offsets: torch.Tensor,  # [E] int32/int64
+    out: torch.Tensor,  # [T, N], unit stride along N
+    bias: torch.Tensor | None = None,  # [E, N], contiguous rows
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    ensure_scratch_allocator()
+    T, K = a.shape
+    E, _, N = b.shape
+    b_k_major = b.stride(1) == 1 and b.stride(2) != 1
+    sms = device_sms(a)
+
+    def launch(cfg: GemmConfig) -> None:
+        grid = sms * cfg.ctas_per_sm
+        _grouped_mm_ragged_m_kernel[(grid,)](
+            a, b, out, bias if bias is not None else out, offsets,
+            T, N, K, E,
+            a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
+            bias.stride(0) if bias is not None else 0,
+            B_K_MAJOR=b_k_major,
+            HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            BLOCK_E=max(triton.next_power_of_2(E), 16),
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=grid,
+            FLATTEN=cfg.flatten,
+            C_TMA=cfg.c_tma,
+            WARP_SPEC=cfg.warp_specialize,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    if config is None:
+        config = _pick_config("m", (N, K, E, b_k_major, bias is not None), a.dtype, a.device, launch)
+    launch(config)
+    return out
+
+
+def grouped_mm_ragged_k(
+    a: torch.Tensor,  # [M, T], unit stride along M or T
+    b: torch.Tensor,  # [T, N], unit stride along N or T
+    offsets: torch.Tensor,  # [E] int32/int64
+    out: torch.Tensor,  # [E, M, N], any strides
+    accumulate: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    ensure_scratch_allocator()
+    M, T = a.shape
+    N = b.shape[1]
+    E = offsets.shape[0]
+    a_t_major = a.stride(0) == 1 and a.stride(1) != 1
+    b_n_major = b.stride(1) == 1
+    sms = device_sms(a)
+
+    def launch(cfg: GemmConfig, target: torch.Tensor = out, acc: bool = accumulate) -> None:
+        # TMA epilogue: unit stride along N, aligned strides, and a reduce-add only in fp32
+        # (the interpreter has no TMA reduce, so there the accumulate path uses ld/st).
+        c_tma = (
+            cfg.c_tma
+            and _tma_compatible(target, -1)
+            and not (acc and (target.dtype != torch.float32 or interpret_mode()))
+        )
+        grid = sms * cfg.ctas_per_sm
+        _grouped_mm_ragged_k_kernel[(grid,)](
+            a, b, target, offsets,
+            M, N, T, E,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            target.stride(0), target.stride(1), target.stride(2),
+            A_T_MAJOR=a_t_major,
+            B_N_MAJOR=b_n_major,
+            ACCUMULATE=acc,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=grid,
+            FLATTEN=cfg.flatten,
+            C_TMA=c_tma,
+            WARP_SPEC=cfg.warp_specialize,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    if config is None:
+        # Tuning writes into a scratch buffer so an accumulating call adds exactly once.
+        scratch = {}
+
+        def tune_launch(cfg: GemmConfig) -> None:
+            if "t" not in scratch:
+                scratch["t"] = torch.empty_like(out)
+            launch(cfg, scratch["t"], False)
+
+        config = _pick_config(
+            "k", (M, N, E, a_t_major, b_n_major, out.dtype), a.dtype, a.device, tune_launch
+        )
+    launch(config)
+    return out
