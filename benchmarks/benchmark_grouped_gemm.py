@@ -156,11 +156,13 @@ def sweep(names, dtype, peak, gen) -> list[dict]:
         o1 = torch.empty(T, 2 * F, device="cuda", dtype=dtype)
         o2 = torch.empty(T, H, device="cuda", dtype=dtype)
         og = torch.zeros(E, 2 * F, H, device="cuda", dtype=torch.float32)
+        og16 = torch.zeros(E, 2 * F, H, device="cuda", dtype=dtype)
         cases = {
             "fc1_fwd": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(x, w1.transpose(1, 2), offs, o1, config=c)),
             "fc2_fwd": ("m", 2 * T * H * F, lambda c: K.grouped_mm_ragged_m(h, w2.transpose(1, 2), offs, o2, config=c)),
             "fc1_dgrad": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(dy, w1, offs, o2, config=c)),
             "wgrad_fp32": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og, True, config=c)),
+            "wgrad_bf16": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og16, False, config=c)),
         }  # fmt: skip
         for pname, (kind, flops, fn) in cases.items():
             for cfg in K._candidates(kind, dtype):

@@ -67,6 +67,26 @@ def _swizzle_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def _ragged_rows_desc(ptr, T, C, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Descriptor over a row-major [T, C] matrix whose row bound is chosen per access.
+
+    A plain descriptor clips rows at T only. This one is 3-D, [T + 1, BIG, C] with strides
+    [stride, stride, 1] and base ``ptr - BIG * stride`` (BIG = T + BLOCK_R), so element
+    (j, i, c) lives at row i + j - BIG. Accessing rows [r, r + BLOCK_R) as (end, r - end + BIG, c)
+    makes the TMA engine's own bound check (i < BIG) clip exactly the rows >= end: loads past an
+    expert's end read zeros and stores past it are dropped. One descriptor per program then
+    serves every expert, instead of building one per tile.
+    """
+    big = T + BLOCK_R
+    return tl.make_tensor_descriptor(
+        ptr - big.to(tl.int64) * stride,
+        shape=[T + 1, big, C],
+        strides=[stride, stride, 1],
+        block_shape=[1, BLOCK_R, BLOCK_C],
+    )
+
+
+@triton.jit
 def _grouped_mm_ragged_m_kernel(
     # pointers
     a_ptr,  # [T, K]
@@ -139,6 +159,7 @@ def _grouped_mm_ragged_m_kernel(
     c_desc = tl.make_tensor_descriptor(
         c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
     )
+    c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, BLOCK_N)
 
     for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
@@ -165,18 +186,8 @@ def _grouped_mm_ragged_m_kernel(
             acc += bias.to(tl.float32)[None, :]
         c = acc.to(dtype)
         if C_TMA:
-            if off_m + BLOCK_M <= row_end:
-                c_desc.store([off_m, off_n], c)
-            else:
-                # The last tile of an expert: bound the store at the expert's end so the next
-                # expert's rows (computed by another program) are not overwritten.
-                c_end_desc = tl.make_tensor_descriptor(
-                    c_ptr,
-                    shape=[row_end, N],
-                    strides=[stride_c_t, 1],
-                    block_shape=[BLOCK_M, BLOCK_N],
-                )
-                c_end_desc.store([off_m, off_n], c)
+            # Bounded at the expert's end: the next expert's rows belong to another program.
+            c_ragged.store([row_end, off_m - row_end + T + BLOCK_M, off_n], c.reshape(1, BLOCK_M, BLOCK_N))
         else:
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
@@ -194,8 +205,8 @@ def _grouped_mm_ragged_m_kernel(
 @triton.jit
 def _grouped_mm_ragged_k_kernel(
     # pointers
-    a_ptr,  # [M, T]
-    b_ptr,  # [T, N]
+    a_ptr,  # [T, M] row-major: the operand is its transposed view a[M, T]
+    b_ptr,  # [T, N] row-major
     c_ptr,  # [E, M, N]
     offsets_ptr,  # [E] cumulative end offsets along T
     # sizes
@@ -204,16 +215,12 @@ def _grouped_mm_ragged_k_kernel(
     T,
     E,
     # strides
-    stride_a_m,
     stride_a_t,
     stride_b_t,
-    stride_b_n,
     stride_c_e,
     stride_c_m,
     stride_c_n,
     # meta
-    A_T_MAJOR: tl.constexpr,  # a is the transposed view of a [T, M] row-major tensor
-    B_N_MAJOR: tl.constexpr,  # b is row-major [T, N]; else the transposed view of [N, T]
     ACCUMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -230,6 +237,11 @@ def _grouped_mm_ragged_k_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
     num_tiles = E * per_expert
+    # Row-bounded descriptors: the K loop of expert e reads rows [start, end) and the TMA
+    # engine zero-fills the K tail, so no other expert's rows leak into the sum.
+    a_desc = _ragged_rows_desc(a_ptr, T, M, stride_a_t, BLOCK_K, BLOCK_M)
+    b_desc = _ragged_rows_desc(b_ptr, T, N, stride_b_t, BLOCK_K, BLOCK_N)
+    big = T + BLOCK_K
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(
             c_ptr,
@@ -248,35 +260,11 @@ def _grouped_mm_ragged_k_kernel(
         end = tl.minimum(tl.maximum(end, 0), T)
         start = tl.minimum(tl.maximum(start, 0), end)
 
-        # Descriptors bounded at this expert's end: the TMA engine zero-fills the K tail.
-        if A_T_MAJOR:
-            a_desc = tl.make_tensor_descriptor(
-                a_ptr, shape=[end, M], strides=[stride_a_t, 1], block_shape=[BLOCK_K, BLOCK_M]
-            )
-        else:
-            a_desc = tl.make_tensor_descriptor(
-                a_ptr, shape=[M, end], strides=[stride_a_m, 1], block_shape=[BLOCK_M, BLOCK_K]
-            )
-        if B_N_MAJOR:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[end, N], strides=[stride_b_t, 1], block_shape=[BLOCK_K, BLOCK_N]
-            )
-        else:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, end], strides=[stride_b_n, 1], block_shape=[BLOCK_N, BLOCK_K]
-            )
-
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(tl.cdiv(end - start, BLOCK_K)):
-            off_k = start + ki * BLOCK_K
-            if A_T_MAJOR:
-                a = tl.trans(a_desc.load([off_k, off_m]))
-            else:
-                a = a_desc.load([off_m, off_k])
-            if B_N_MAJOR:
-                b = b_desc.load([off_k, off_n])
-            else:
-                b = tl.trans(b_desc.load([off_n, off_k]))
+            row = start + ki * BLOCK_K - end + big
+            a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
+            b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(a, b, acc)
 
         if C_TMA:
@@ -315,17 +303,17 @@ _INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1,
 # (BM + BN) * BK * 2 bytes, plus the BM * BN epilogue tile, which bounds the stage count.
 _RAGGED_M_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
     GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
-    GemmConfig(64, 256, 64, num_warps=4, num_stages=2, ctas_per_sm=2),
     GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
 )
 _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
     GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=3, c_tma=False, ctas_per_sm=2),
-    GemmConfig(128, 128, 64, num_warps=4, num_stages=2, ctas_per_sm=2),
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -431,8 +419,8 @@ def grouped_mm_ragged_m(
 
 
 def grouped_mm_ragged_k(
-    a: torch.Tensor,  # [M, T], unit stride along M or T
-    b: torch.Tensor,  # [T, N], unit stride along N or T
+    a: torch.Tensor,  # [M, T], unit stride along M (the transposed view of a [T, M] matrix)
+    b: torch.Tensor,  # [T, N], unit stride along N
     offsets: torch.Tensor,  # [E] int32/int64
     out: torch.Tensor,  # [E, M, N], any strides
     accumulate: bool = False,
@@ -442,8 +430,6 @@ def grouped_mm_ragged_k(
     M, T = a.shape
     N = b.shape[1]
     E = offsets.shape[0]
-    a_t_major = a.stride(0) == 1 and a.stride(1) != 1
-    b_n_major = b.stride(1) == 1
     sms = device_sms(a)
 
     def launch(cfg: GemmConfig, target: torch.Tensor = out, acc: bool = accumulate) -> None:
@@ -458,10 +444,8 @@ def grouped_mm_ragged_k(
         _grouped_mm_ragged_k_kernel[(grid,)](
             a, b, target, offsets,
             M, N, T, E,
-            a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            a.stride(1), b.stride(0),
             target.stride(0), target.stride(1), target.stride(2),
-            A_T_MAJOR=a_t_major,
-            B_N_MAJOR=b_n_major,
             ACCUMULATE=acc,
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
@@ -484,8 +468,6 @@ def grouped_mm_ragged_k(
                 scratch["t"] = torch.empty_like(out)
             launch(cfg, scratch["t"], False)
 
-        config = _pick_config(
-            "k", (M, N, E, a_t_major, b_n_major, out.dtype), a.dtype, a.device, tune_launch
-        )
+        config = _pick_config("k", (M, N, E, out.dtype), a.dtype, a.device, tune_launch)
     launch(config)
     return out

@@ -83,9 +83,10 @@ def _run_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
             out.zero_()
         return
     if use_triton(a):
-        _kernels.grouped_mm_ragged_k(
-            _either_major(a, (0, 1), 0), _either_major(b, (0, 1), 1), offsets, out, accumulate
-        )
+        # The kernel reads both operands as rows of T: a as the transposed view of a row-major
+        # [T, M] (how dy.t() arrives in wgrad) and b row-major [T, N]; other layouts are copied.
+        a_rows = a.t() if _tma_ok(a.t(), -1) else a.t().contiguous()
+        _kernels.grouped_mm_ragged_k(a_rows.t(), _row_major(b), offsets, out, accumulate)
     else:
         res = grouped_mm_ragged_k_ref(a, b, offsets, out.dtype)
         if accumulate:
