@@ -1,0 +1,367 @@
+"""Benchmark: all-reduce + residual add + RMSNorm over symmetric memory vs NCCL, under torchrun.
+
+    bash benchmarks/run_allreduce_rmsnorm.sh --out results/    # sets the no-multicast env
+
+1. Correctness pass (``tests/distributed/gpu_allreduce_check.run_checks``): every algo vs the
+   reference, bit-identical on every rank, 1000 repeated calls, CUDA-graph capture, the NCCL
+   fallback with a too-small pool, bad input, backward. ``--skip-checks`` skips it.
+2. Timing grid: tokens × hidden, bf16. Per method and shape, the latency of one call is the median
+   over ``--iters`` (≥ 200) calls, each timed with CUDA events, eager and replayed from a CUDA graph
+   holding one call; the reported number is the maximum over ranks. Methods:
+     (a)  ``nccl+torch``   : NCCL all_reduce (in place) + torch add + torch RMSNorm
+     (b1) ``symm1+torch``  : torch symm_mem one_shot_all_reduce(_copy) + the same add and norm
+     (b2) ``symm2+torch``  : copy into symm memory + torch symm_mem two_shot_all_reduce_ + add/norm
+     ``one_shot`` / ``two_shot`` / ``auto`` / ``nccl_fused``: moekit.ops.allreduce_add_rmsnorm
+   Bus bandwidth = bytes · 2(W−1)/W / time (the nccl-tests convention).
+3. Rank 0 prints a compact table last and writes ``allreduce_rmsnorm.json`` + ``.png`` to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from moekit.distributed import SymmetricPool, init_distributed, set_pool  # noqa: E402
+from moekit.ops.allreduce import allreduce_add_rmsnorm, auto_algo  # noqa: E402
+
+TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
+HIDDEN = (4096, 7168)
+EPS = 1e-6
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# methods: each returns a zero-argument callable doing one full call on fixed tensors
+# ----------------------------------------------------------------------------------------------
+
+
+class TorchSymm:
+    """Baseline (b): torch's own symmetric-memory all-reduce ops on a rendezvoused buffer."""
+
+    def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group_name = dist.group.WORLD.group_name
+        self.buf = symm_mem.empty(numel, dtype=dtype, device=device)
+        symm_mem.rendezvous(self.buf, dist.group.WORLD)
+        ops = torch.ops.symm_mem
+        self.one_shot_copy = getattr(ops, "one_shot_all_reduce_copy", None)
+        self.one_shot = getattr(ops, "one_shot_all_reduce", None)
+        self.two_shot = getattr(ops, "two_shot_all_reduce_", None)
+
+    def view(self, T: int, H: int) -> torch.Tensor:
+        return self.buf[: T * H].view(T, H)
+
+
+def make_methods(x, residual, weight, torch_symm: TorchSymm | None, world: int):
+    T, H = x.shape
+    methods = {}
+    work = x.clone()
+
+    def nccl_torch():
+        dist.all_reduce(work)
+        ro = work + residual
+        return F.rms_norm(ro, (H,), weight, EPS), ro
+
+    methods["nccl+torch"] = nccl_torch
+    if torch_symm is not None:
+        sbuf = torch_symm.view(T, H)
+        if torch_symm.one_shot_copy is not None:
+
+            def symm1():
+                s = torch_symm.one_shot_copy(sbuf, x, "sum", torch_symm.group_name)
+                ro = s + residual
+                return F.rms_norm(ro, (H,), weight, EPS), ro
+
+            methods["symm1+torch"] = symm1
+        elif torch_symm.one_shot is not None:
+
+            def symm1():
+                sbuf.copy_(x)
+                s = torch_symm.one_shot(sbuf, "sum", torch_symm.group_name)
+                ro = s + residual
+                return F.rms_norm(ro, (H,), weight, EPS), ro
+
+            methods["symm1+torch"] = symm1
+        if torch_symm.two_shot is not None:
+
+            def symm2():
+                sbuf.copy_(x)
+                torch_symm.two_shot(sbuf, "sum", torch_symm.group_name)
+                ro = sbuf + residual
+                return F.rms_norm(ro, (H,), weight, EPS), ro
+
+            methods["symm2+torch"] = symm2
+    for algo in ("one_shot", "two_shot", "auto"):
+        methods[algo] = lambda algo=algo: allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+    methods["nccl_fused"] = lambda: allreduce_add_rmsnorm(x, residual, weight, algo="nccl")
+    return methods
+
+
+# ----------------------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------------------
+
+
+def _median_max_over_ranks(times_ms: list[float], device) -> float:
+    med = torch.tensor([statistics.median(times_ms)], dtype=torch.float64, device=device)
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)
+    return float(med.item()) * 1e3  # µs
+
+
+def time_eager(fn, iters: int, device) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return _median_max_over_ranks([s.elapsed_time(e) for s, e in zip(starts, ends)], device)
+
+
+def time_graph(fn, iters: int, device) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    dist.barrier()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    out = _median_max_over_ranks([s.elapsed_time(e) for s, e in zip(starts, ends)], device)
+    del graph
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# report
+# ----------------------------------------------------------------------------------------------
+
+BASELINES = ("nccl+torch", "symm1+torch", "symm2+torch")
+OURS = ("one_shot", "two_shot", "auto", "nccl_fused")
+
+
+def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
+    by = {}
+    for r in rows:
+        by.setdefault((r["tokens"], r["hidden"]), {})[(r["method"], r["mode"])] = r
+    lines = []
+    hdr = (
+        f"{'T':>6} {'H':>5} {'MB':>7} | {'(a)':>8} {'(b1)':>8} {'(b2)':>8} | {'1shot':>8} "
+        f"{'2shot':>8} {'auto':>8} {'ncclF':>8} | {'auto/a':>6} {'auto/best':>9} {'busbw':>7} "
+        f"| {'eager a':>8} {'eager auto':>10} {'x':>5}"
+    )
+    lines.append(f"latency µs, CUDA graph (median of calls, max over {world} ranks); bf16")
+    lines.append(hdr)
+    verdict = {"fail": [], "pass": []}
+    for (T, H), m in sorted(by.items()):
+
+        def g(name, mode="graph", m=m):
+            r = m.get((name, mode))
+            return r["us"] if r else float("nan")
+
+        a = g("nccl+torch")
+        best_base = min([v for v in (g(b) for b in BASELINES) if v == v], default=float("nan"))
+        auto = g("auto")
+        mb = T * H * 2 / 1e6
+        busbw = m.get(("auto", "graph"), {}).get("busbw_GBps", float("nan"))
+        ea, eauto = g("nccl+torch", "eager"), g("auto", "eager")
+        lines.append(
+            f"{T:>6} {H:>5} {mb:>7.2f} | {a:>8.1f} {g('symm1+torch'):>8.1f} "
+            f"{g('symm2+torch'):>8.1f} | {g('one_shot'):>8.1f} {g('two_shot'):>8.1f} "
+            f"{auto:>8.1f} {g('nccl_fused'):>8.1f} | {a / auto:>6.2f} {best_base / auto:>9.2f} "
+            f"{busbw:>7.1f} | {ea:>8.1f} {eauto:>10.1f} {ea / eauto:>5.2f}"
+        )
+        target = 2.0 if T <= 256 else (1.2 if T >= 4096 else 1.0)
+        ok = a / auto >= target and auto <= best_base * 1.0
+        (verdict["pass"] if ok else verdict["fail"]).append(
+            f"T={T} H={H}: auto {auto:.1f} µs, (a) {a:.1f}, best baseline {best_base:.1f}, "
+            f"target ≥ {target}× (a)"
+        )
+    # which of our algorithms is fastest per size → thresholds for `auto`
+    sugg = []
+    for (T, H), m in sorted(by.items()):
+        cands = {
+            k: m[(k, "graph")]["us"]
+            for k in ("one_shot", "two_shot", "nccl_fused")
+            if (k, "graph") in m
+        }
+        if not cands:
+            continue
+        sugg.append((T * H * 2, min(cands, key=cands.get)))
+    one_max = max([b for b, k in sugg if k == "one_shot"], default=0)
+    two_max = max([b for b, k in sugg if k in ("one_shot", "two_shot")], default=0)
+    lines.append(
+        f"fastest per size: {[(f'{b / 1e6:.2f}MB', k) for b, k in sugg]}\n"
+        f"suggested for W={world}: MOEKIT_AR_ONE_SHOT_MAX_KB={one_max // 1024} "
+        f"MOEKIT_AR_TWO_SHOT_MAX_KB={two_max // 1024} (current auto picks: "
+        f"{sorted({auto_algo(b, world) for b, _ in sugg})})"
+    )
+    lines.append(f"targets met at {len(verdict['pass'])}/{len(by)} sizes")
+    for f in verdict["fail"]:
+        lines.append(f"  MISSED {f}")
+    return "\n".join(lines), verdict
+
+
+def plot(rows: list[dict], path: str, world: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hidden = sorted({r["hidden"] for r in rows})
+    fig, axes = plt.subplots(1, len(hidden), figsize=(6 * len(hidden), 4.5), squeeze=False)
+    for ax, H in zip(axes[0], hidden):
+        for method in BASELINES + OURS:
+            pts = sorted(
+                (r["tokens"], r["us"])
+                for r in rows
+                if r["hidden"] == H and r["method"] == method and r["mode"] == "graph"
+            )
+            if pts:
+                style = "--" if method in BASELINES else "-"
+                ax.plot(*zip(*pts), style, marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("latency per call (µs, CUDA graph)")
+        ax.set_title(f"all-reduce + add + RMSNorm, H={H}, bf16, {world} GPUs")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--tokens", type=int, nargs="*", default=list(TOKENS))
+    ap.add_argument("--hidden", type=int, nargs="*", default=list(HIDDEN))
+    ap.add_argument("--skip-checks", action="store_true")
+    ap.add_argument("--check-iters", type=int, default=1000)
+    args = ap.parse_args()
+    if args.iters < 200:
+        raise SystemExit("--iters must be >= 200 (median over at least 200 calls)")
+
+    info = init_distributed()
+    world, device = info.world_size, info.device
+    t_start = time.perf_counter()
+    max_numel = max(args.tokens) * max(args.hidden)
+    # one pool big enough for a two_shot of the largest shape, created before anything else
+    pool = set_pool(SymmetricPool(dist.group.WORLD, size_bytes=2 * max_numel * 2))
+    _log(
+        f"world={world} device={torch.cuda.get_device_name()} torch={torch.__version__} "
+        f"pool={pool} env="
+        + ",".join(
+            f"{k}={os.environ.get(k)}"
+            for k in (
+                "NCCL_NVLS_ENABLE",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                "NVSHMEM_DISABLE_NVLS",
+            )
+        )
+    )
+    if not args.skip_checks:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "gpu_allreduce_check",
+            os.path.join(REPO, "tests", "distributed", "gpu_allreduce_check.py"),
+        )
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.run_checks(iters=args.check_iters)
+
+    try:
+        torch_symm = TorchSymm(max_numel, torch.bfloat16, device)
+    except (RuntimeError, AttributeError, ImportError) as e:  # baseline (b) reported as missing
+        _log(f"baseline (b) unavailable: {type(e).__name__}: {e}")
+        torch_symm = None
+
+    rows = []
+    for H in args.hidden:
+        for T in args.tokens:
+            g = torch.Generator(device=device).manual_seed(T * 31 + H + 977 * info.rank)
+            x = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
+            g.manual_seed(T * 31 + H)
+            residual = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
+            weight = (1 + 0.1 * torch.randn(H, device=device, generator=g)).to(torch.bfloat16)
+            nbytes = T * H * 2
+            for name, fn in make_methods(x, residual, weight, torch_symm, world).items():
+                for mode, timer in (("eager", time_eager), ("graph", time_graph)):
+                    try:
+                        us = timer(fn, args.iters, device)
+                    except RuntimeError as e:  # e.g. a baseline op that rejects this size
+                        _log(f"  {name} {mode} T={T} H={H} failed: {e}")
+                        continue
+                    busbw = nbytes * 2 * (world - 1) / world / (us * 1e-6) / 1e9
+                    rows.append(
+                        {"tokens": T, "hidden": H, "method": name, "mode": mode, "us": us,
+                         "busbw_GBps": busbw, "bytes": nbytes}
+                    )  # fmt: skip
+            _log(f"  done T={T} H={H} ({time.perf_counter() - t_start:.0f} s)")
+            del x, residual, weight
+            torch.cuda.empty_cache()
+
+    if info.rank == 0:
+        table, verdict = summarize(rows, world)
+        os.makedirs(args.out, exist_ok=True)
+        meta = {
+            "world_size": world,
+            "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "iters": args.iters,
+            "auto_picks": {str(r["bytes"]): auto_algo(r["bytes"], world) for r in rows},
+        }
+        with open(os.path.join(args.out, "allreduce_rmsnorm.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
+        try:
+            plot(rows, os.path.join(args.out, "allreduce_rmsnorm.png"), world)
+        except ImportError as e:
+            print(f"no plot: {e}")
+        print(f"\ntotal {time.perf_counter() - t_start:.0f} s\n" + table, flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""One symmetric-memory buffer per process group, shared by moekit's cross-rank kernels.
+
+:class:`SymmetricPool` allocates ``SIGNAL_BYTES + size_bytes`` bytes with
+``torch.distributed._symmetric_memory.empty`` and rendezvouses them once (``rendezvous``) with the
+group. After that every rank knows the address of every peer's buffer in its own address space;
+the kernels get them as the device tensor :attr:`SymmetricPool.peer_bases` (int64 ``[W]``) and
+read or write the peers' memory directly over NVLink. Nothing is re-rendezvoused per call.
+
+Sub-allocation: the first ``SIGNAL_BYTES`` hold the barrier flags (see
+:mod:`moekit.kernels.allreduce`); the data region after them is scratch that one op at a time
+uses from offset 0 (ops on a pool are ordered by the stream they run on, so consecutive ops never
+overlap). :meth:`SymmetricPool.fits` says whether a call's workspace fits; when it does not, or
+symmetric memory is unavailable (no CUDA, ranks on several hosts, more than ``MAX_WORLD`` ranks,
+size 0, a torch build without it), :attr:`available`/:attr:`reason` say so and the ops fall back
+to NCCL with a one-time warning.
+
+Size: ``size_bytes``, else ``MOEKIT_SYMM_POOL_MB`` (MiB), else :data:`DEFAULT_POOL_BYTES`.
+
+Rules: create the pool (or call an op once, which creates it) before CUDA-graph capture; use one
+pool from one stream at a time; every rank of the group must make the same calls in the same
+order with the same shapes (as with any collective).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from moekit.config import symm_pool_bytes
+from moekit.distributed.env import disable_multicast_env
+from moekit.kernels.allreduce import DATA_OFFSET, MAX_BLOCKS, MAX_WORLD, SIGNAL_BYTES
+
+DEFAULT_POOL_BYTES = 128 << 20  # data region; 2× covers a two_shot of 16k tokens × 2048 bf16
+
+__all__ = ["DEFAULT_POOL_BYTES", "SymmetricPool", "get_pool", "set_pool"]
+
+
+def _group_key(group: dist.ProcessGroup) -> str:
+    name = getattr(group, "group_name", None)
+    return str(name) if name is not None else f"id{id(group)}"
+
+
+class SymmetricPool:
+    """A symmetric buffer rendezvoused once with ``group`` (collective: every rank constructs it).
+
+    Attributes:
+        group, rank, world_size: the process group and this rank's place in it.
+        capacity: bytes of the data region (excluding the signal region).
+        available: False when symmetric memory cannot be used; ``reason`` says why.
+        peer_bases: ``[W]`` int64 device tensor, the address of every rank's buffer here.
+        epochs: ``[MAX_BLOCKS]`` int32 device tensor, per-program barrier epochs (local).
+        handle: the ``_SymmetricMemory`` handle from ``rendezvous`` (None when unavailable).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        size_bytes: int | None = None,
+        *,
+        device: torch.device | None = None,
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "SymmetricPool needs an initialised default process group "
+                "(call moekit.distributed.init_distributed() or "
+                "torch.distributed.init_process_group())"
+            )
+        disable_multicast_env()
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.capacity = int(
+            size_bytes if size_bytes is not None else symm_pool_bytes(DEFAULT_POOL_BYTES)
+        )
+        if self.capacity < 0:
+            raise ValueError(f"size_bytes must be >= 0, got {self.capacity}")
+        if device is None and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device if device is not None else torch.device("cpu")
+        self.available = False
+        self.reason = ""
+        self.handle = None
+        self.peer_bases: torch.Tensor | None = None
+        self.epochs: torch.Tensor | None = None
+        self._buffer: torch.Tensor | None = None
+        self.reason = self._static_reason()
+        if not self.reason:
+            self._allocate()
+
+    # decisions that are identical on every rank, so that no rank enters a collective alone
+    def _static_reason(self) -> str:
+        if self.device.type != "cuda":
+            return f"symmetric memory needs CUDA tensors (device {self.device})"
+        if self.world_size < 2:
+            return "group of size 1 (nothing to reduce)"
+        if self.world_size > MAX_WORLD:
+            return f"group size {self.world_size} > {MAX_WORLD} ranks the kernels support"
+        if self.capacity == 0:
+            return "pool size is 0 (MOEKIT_SYMM_POOL_MB=0)"
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "SymmetricPool cannot be created during CUDA-graph capture: create it, or call the "
+                "op once, before capturing"
+            )
+        try:
+            import torch.distributed._symmetric_memory as symm_mem  # noqa: F401
+        except ImportError as e:  # identical on every rank (same build)
+            return f"torch.distributed._symmetric_memory unavailable: {e}"
+        hosts: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        if len(set(hosts)) != 1:
+            hosts_str = sorted({str(h) for h in hosts})
+            return f"ranks span several hosts {hosts_str}; symmetric memory needs NVLink peers"
+        return ""
+
+    def _allocate(self) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        total = DATA_OFFSET + self.capacity
+        error = ""
+        try:
+            buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
+            buf[:SIGNAL_BYTES].zero_()
+            torch.cuda.synchronize(self.device)
+            handle = symm_mem.rendezvous(buf, self.group)
+            ptrs = [int(p) for p in handle.buffer_ptrs]
+            offset = buf.data_ptr() - ptrs[self.rank]
+        except (RuntimeError, AttributeError, TypeError) as e:  # reported below, never swallowed
+            error = f"{type(e).__name__}: {e}"
+            offset = -1
+        # agree on success (and learn each rank's offset inside its allocation) in one collective
+        mine = torch.tensor([offset, 0 if error else 1], dtype=torch.int64, device=self.device)
+        every = torch.empty((self.world_size, 2), dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        every_host = every.cpu().tolist()  # one-time host sync at set-up
+        if error or not all(ok for _, ok in every_host):
+            self.reason = "symmetric-memory allocation/rendezvous failed" + (
+                f" on this rank ({error})" if error else " on another rank"
+            )
+            return
+        self._buffer = buf
+        self.handle = handle
+        bases = [ptrs[r] + every_host[r][0] for r in range(self.world_size)]
+        self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
+        self.epochs = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=self.device)
+        torch.cuda.synchronize(self.device)
+        self.available = True
+
+    def fits(self, nbytes: int) -> bool:
+        """Whether a call needing ``nbytes`` of the data region can run on this pool."""
+        return self.available and nbytes <= self.capacity
+
+    def local_view(
+        self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0
+    ) -> torch.Tensor:
+        """This rank's data region (from byte ``offset``) as a tensor of ``shape``/``dtype``."""
+        if self._buffer is None:
+            raise RuntimeError(f"symmetric pool unavailable: {self.reason}")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = 1
+        for s in shape:
+            numel *= s
+        if offset % itemsize or offset + numel * itemsize > self.capacity:
+            raise ValueError(f"view of {numel} × {dtype} at byte {offset} exceeds the pool")
+        start = DATA_OFFSET + offset
+        return self._buffer[start : start + numel * itemsize].view(dtype).view(shape)
+
+    def __repr__(self) -> str:
+        state = "available" if self.available else f"unavailable ({self.reason})"
+        where = f"rank={self.rank}/{self.world_size}"
+        return f"SymmetricPool({where}, capacity={self.capacity} B, {state})"
+
+
+_POOLS: dict[str, SymmetricPool] = {}
+
+
+def get_pool(group: dist.ProcessGroup | None = None) -> SymmetricPool:
+    """The pool of ``group`` (default: world), created on first use with the default size
+    (collective on first use: every rank of the group must reach it)."""
+    group = group if group is not None else dist.group.WORLD
+    key = _group_key(group)
+    pool = _POOLS.get(key)
+    if pool is None:
+        pool = SymmetricPool(group)
+        _POOLS[key] = pool
+    return pool
+
+
+def set_pool(pool: SymmetricPool) -> SymmetricPool:
+    """Make ``pool`` the one the ops use for its group (e.g. a larger or smaller size).
+
+    Do this before capturing CUDA graphs that use the group: captured kernels keep the old pool's
+    addresses.
+    """
+    _POOLS[_group_key(pool.group)] = pool
+    return pool

@@ -1,0 +1,219 @@
+"""Fused residual-add + RMSNorm, forward and backward (local, one GPU).
+
+Math, per row ``t`` of ``x [T, H]`` (fp32 inside the kernel, one rounding per stored tensor)::
+
+    r[t]     = round(x[t] + residual[t])                   # residual_out, input dtype
+    rstd[t]  = 1 / sqrt(mean_h(r[t]²) + eps)                # fp32, saved for backward
+    y[t]     = round(r[t] · rstd[t] · w)                    # normed output, input dtype
+
+Backward, with ``g = dy · w`` and ``r̂ = r · rstd``::
+
+    dr[t] = rstd[t] · (g − r̂ · mean_h(g · r̂)) + d_residual_out[t]
+    dw    = Σ_t dy[t] · r̂[t]          # fp32 partials per program, summed by the launcher
+    dx = d_residual = dr              # the add routes the gradient to both inputs
+
+The normalisation reads the *rounded* residual stream ``r`` (what an unfused ``x + residual``
+followed by RMSNorm would see), so the fused and unfused paths agree up to the norm's own rounding.
+The cross-rank kernels in :mod:`moekit.kernels.allreduce` use the same row epilogue.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.kernels._runtime import device_sms
+
+# Widest row the single-pass kernels hold in registers (fp32): beyond this a row would spill.
+MAX_FUSED_H = 65536
+
+
+def block_h(h: int) -> int:
+    """Power-of-two tile that covers one row of ``h`` elements."""
+    return triton.next_power_of_2(h)
+
+
+def num_warps_for(block: int) -> int:
+    """Warps per program for a row tile of ``block`` elements (≈ 16 fp32 values per thread)."""
+    if block >= 8192:
+        return 16
+    if block >= 2048:
+        return 8
+    return 4
+
+
+# ----------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _add_rmsnorm_fwd_kernel(
+    # pointers
+    x_ptr,  # [T, H] input dtype
+    res_ptr,  # [T, H] input dtype (unused unless HAS_RESIDUAL)
+    w_ptr,  # [H] weight (input dtype or fp32)
+    y_ptr,  # [T, H] normed output
+    ro_ptr,  # [T, H] residual_out (unused unless STORE_RO)
+    rstd_ptr,  # [T] fp32 (unused unless STORE_RSTD)
+    # sizes
+    H,
+    eps,
+    # strides (elements)
+    stride_x_t,
+    stride_res_t,
+    stride_y_t,
+    stride_ro_t,
+    # meta
+    BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    STORE_RO: tl.constexpr,
+    STORE_RSTD: tl.constexpr,
+):
+    """One program per row: r = round(x + residual); y = round(r · rsqrt(mean(r²) + eps) · w)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    v = tl.load(x_ptr + row * stride_x_t + cols, mask=cmask, other=0.0)
+    out_dtype = v.dtype
+    if HAS_RESIDUAL:
+        res = tl.load(res_ptr + row * stride_res_t + cols, mask=cmask, other=0.0)
+        v = (v.to(tl.float32) + res.to(tl.float32)).to(out_dtype)
+    if STORE_RO:
+        tl.store(ro_ptr + row * stride_ro_t + cols, v, mask=cmask)
+    vf = v.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(vf * vf, axis=0) / H + eps)
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y_t + cols, (vf * rstd * w).to(out_dtype), mask=cmask)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _add_rmsnorm_bwd_kernel(
+    # pointers
+    dy_ptr,  # [T, H] grad of the normed output
+    dro_ptr,  # [T, H] grad of residual_out from downstream (unused unless HAS_DRO)
+    ro_ptr,  # [T, H] saved residual_out (the norm's input)
+    w_ptr,  # [H]
+    rstd_ptr,  # [T] fp32
+    dx_ptr,  # [T, H] grad of the norm's input (= grad of x and of residual)
+    dw_part_ptr,  # [G, H] fp32 per-program partial sums of dw
+    # sizes
+    T,
+    H,
+    # strides (elements)
+    stride_dy_t,
+    stride_dro_t,
+    stride_ro_t,
+    stride_dx_t,
+    # meta
+    BLOCK_H: tl.constexpr,
+    HAS_DRO: tl.constexpr,
+):
+    """Persistent over rows (pid, pid + G, …): dr = rstd·(g − r̂·mean(g·r̂)) + dro, dw += dy·r̂."""
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_H)
+    cmask = cols < H
+    w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for row in range(pid, T, num_progs):
+        row64 = tl.cast(row, tl.int64)
+        r = tl.load(ro_ptr + row64 * stride_ro_t + cols, mask=cmask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row64)
+        dy_raw = tl.load(dy_ptr + row64 * stride_dy_t + cols, mask=cmask, other=0.0)
+        dy = dy_raw.to(tl.float32)
+        r_hat = r * rstd
+        g = dy * w
+        dr = rstd * (g - r_hat * (tl.sum(g * r_hat, axis=0) / H))
+        if HAS_DRO:
+            dr += tl.load(dro_ptr + row64 * stride_dro_t + cols, mask=cmask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(dx_ptr + row64 * stride_dx_t + cols, dr.to(dy_raw.dtype), mask=cmask)
+        dw_acc += dy * r_hat
+    tl.store(dw_part_ptr + pid.to(tl.int64) * H + cols, dw_acc, mask=cmask)
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+# ----------------------------------------------------------------------------------------------
+
+
+def add_rmsnorm_fwd(
+    x: torch.Tensor,  # [T, H], row stride free, unit column stride
+    residual: torch.Tensor | None,  # [T, H] like x, or None (plain RMSNorm)
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    *,
+    store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch the forward kernel. Returns ``(y [T, H], residual_out [T, H], rstd [T] fp32 | None)``;
+    without a residual, ``residual_out`` is ``x`` itself (nothing is written)."""
+    T, H = x.shape
+    y = torch.empty_like(x)
+    ro = torch.empty_like(x) if residual is not None else x
+    rstd = torch.empty(T, dtype=torch.float32, device=x.device) if store_rstd else None
+    if T == 0:
+        return y, ro, rstd
+    BLOCK_H = block_h(H)
+    _add_rmsnorm_fwd_kernel[(T,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        y,
+        ro,
+        rstd if rstd is not None else y,
+        H,
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        y.stride(0),
+        ro.stride(0),
+        BLOCK_H=BLOCK_H,
+        HAS_RESIDUAL=residual is not None,
+        STORE_RO=residual is not None,
+        STORE_RSTD=store_rstd,
+        num_warps=num_warps_for(BLOCK_H),
+    )
+    return y, ro, rstd
+
+
+def add_rmsnorm_bwd(
+    dy: torch.Tensor,  # [T, H] grad of y
+    d_residual_out: torch.Tensor | None,  # [T, H] grad of residual_out, or None
+    residual_out: torch.Tensor,  # [T, H] saved norm input
+    weight: torch.Tensor,  # [H]
+    rstd: torch.Tensor,  # [T] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward kernel. Returns ``(dx [T, H] in dy's dtype, dw [H] in weight's dtype)``;
+    ``dx`` is also the gradient of the residual (the add routes it to both inputs)."""
+    T, H = residual_out.shape
+    dx = torch.empty_like(dy)
+    sms = device_sms(dy)
+    grid = max(1, min(T, sms * 2))
+    dw_part = torch.empty((grid, H), dtype=torch.float32, device=dy.device)
+    if T == 0:
+        return dx, torch.zeros_like(weight)
+    BLOCK_H = block_h(H)
+    _add_rmsnorm_bwd_kernel[(grid,)](
+        dy,
+        d_residual_out if d_residual_out is not None else dy,
+        residual_out,
+        weight,
+        rstd,
+        dx,
+        dw_part,
+        T,
+        H,
+        dy.stride(0),
+        d_residual_out.stride(0) if d_residual_out is not None else 0,
+        residual_out.stride(0),
+        dx.stride(0),
+        BLOCK_H=BLOCK_H,
+        HAS_DRO=d_residual_out is not None,
+        num_warps=num_warps_for(BLOCK_H),
+    )
+    return dx, dw_part.sum(0).to(weight.dtype)

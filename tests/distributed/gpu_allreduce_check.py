@@ -1,0 +1,266 @@
+"""GPU correctness checks for the symmetric-memory all-reduce (+ add)(+ RMSNorm), under torchrun.
+
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        torchrun --nproc_per_node=2 tests/distributed/gpu_allreduce_check.py
+
+Checks (every rank, failures raise): each algo vs the reference (residual_out bit-exact for the
+symmetric kernels, which sum in the reference's order), bit-identical outputs on every rank,
+1000 calls with changing data / shapes / algos (no stale reads, no deadlock), CUDA-graph capture
+and replay, the NCCL fallback when the pool is too small (one warning), bad input, group of size
+1, and backward. ``benchmarks/benchmark_allreduce_rmsnorm.py`` runs :func:`run_checks` first.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from moekit.distributed import SymmetricPool, get_pool, init_distributed, set_pool
+from moekit.ops.allreduce import (
+    allreduce,
+    allreduce_add,
+    allreduce_add_rmsnorm,
+)
+from moekit.ops.rmsnorm import add_rmsnorm
+from moekit.reference.allreduce import gather_allreduce_ref
+from moekit.reference.rmsnorm import add_rmsnorm_ref
+
+ALGOS = ("one_shot", "two_shot", "nccl", "auto")
+
+
+def _log(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def _inputs(T: int, H: int, dtype: torch.dtype, seed: int, device: torch.device):
+    """x differs per rank; residual and weight are replicated (same seed on every rank)."""
+    rank = dist.get_rank()
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank)
+    x = torch.randn(T, H, device=device, generator=g).to(dtype)
+    g.manual_seed(seed * 7919 + 4099)
+    residual = torch.randn(T, H, device=device, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(H, device=device, generator=g)).to(dtype)
+    return x, residual, weight
+
+
+def _same_on_all_ranks(t: torch.Tensor) -> bool:
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(got[0], g) for g in got[1:])
+
+
+def _norm_tol(dtype: torch.dtype) -> float:
+    return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-5}[dtype]
+
+
+def check_algos_vs_reference(device: torch.device) -> None:
+    shapes = [(1, 4096), (8, 7168), (64, 4096), (300, 7168), (1024, 4096), (333, 2048), (5, 8)]
+    for dtype in (torch.bfloat16, torch.float16):
+        for T, H in shapes:
+            x, residual, weight = _inputs(T, H, dtype, seed=T + H, device=device)
+            ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+            _, ref_sum = gather_allreduce_ref(x, None, None)
+            tol = _norm_tol(dtype)
+            for algo in ALGOS:
+                n, ro = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+                tag = f"{algo} T={T} H={H} {dtype}"
+                assert _same_on_all_ranks(n) and _same_on_all_ranks(ro), f"ranks differ: {tag}"
+                if algo in ("one_shot", "two_shot"):
+                    assert torch.equal(ro, ref_ro), f"residual_out not bit-exact: {tag}"
+                    assert torch.equal(allreduce(x, algo=algo), ref_sum), f"allreduce: {tag}"
+                    assert torch.equal(allreduce_add(x, residual, algo=algo), ref_ro), tag
+                else:
+                    torch.testing.assert_close(ro, ref_ro, atol=tol * 4, rtol=tol, msg=tag)
+                torch.testing.assert_close(n, ref_n, atol=tol * 4, rtol=tol, msg=tag)
+    _log("ok  every algo vs reference; identical on every rank (bf16, fp16, 7 shapes)")
+
+
+def check_repeated_calls(device: torch.device, iters: int = 1000) -> None:
+    """Changing data, token counts (grid sizes) and algorithms every call: a stale read or a
+    barrier that lets a rank run ahead shows up as a mismatch, a lost signal as a hang."""
+    H = 4096
+    Ts = (1, 7, 64, 129, 512, 3)
+    bad = torch.zeros((), dtype=torch.int64, device=device)
+    t0 = time.perf_counter()
+    for i in range(iters):
+        T = Ts[i % len(Ts)]
+        algo = ("one_shot", "two_shot")[(i // len(Ts)) % 2]
+        x, residual, weight = _inputs(T, H, torch.bfloat16, seed=10_000 + i, device=device)
+        n, ro = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+        ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+        bad += (ro != ref_ro).sum()
+        bad += ((n.float() - ref_n.float()).abs() > 6e-2 + 1.6e-2 * ref_n.float().abs()).sum()
+    torch.cuda.synchronize()
+    assert int(bad) == 0, f"{int(bad)} mismatching elements over {iters} repeated calls"
+    dt = time.perf_counter() - t0
+    _log(f"ok  {iters} repeated calls, changing data/shape/algo, no stale reads ({dt:.1f} s)")
+
+
+def check_cuda_graph(device: torch.device) -> None:
+    T, H = 48, 4096
+    x, residual, weight = _inputs(T, H, torch.bfloat16, seed=5, device=device)
+    outs = {}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up (compiles, creates the pool) outside capture
+        for algo in ("one_shot", "two_shot"):
+            allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+        allreduce(x, algo="one_shot")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for algo in ("one_shot", "two_shot"):
+            outs[algo] = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+        outs["plain"] = (allreduce(x, algo="one_shot"),)
+    for rep in range(50):
+        nx, nr, _ = _inputs(T, H, torch.bfloat16, seed=100 + rep, device=device)
+        x.copy_(nx)
+        residual.copy_(nr)
+        graph.replay()
+        ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+        _, ref_sum = gather_allreduce_ref(x, None, None)
+        for algo in ("one_shot", "two_shot"):
+            n, ro = outs[algo]
+            assert torch.equal(ro, ref_ro), f"graph replay {rep} {algo}: residual_out"
+            torch.testing.assert_close(n, ref_n, atol=6e-2, rtol=1.6e-2)
+        assert torch.equal(outs["plain"][0], ref_sum), f"graph replay {rep}: allreduce"
+    _log("ok  CUDA-graph capture + 50 replays with new data (one_shot, two_shot, allreduce)")
+
+
+def check_pool_reuse() -> None:
+    pool = get_pool()
+    assert pool.available, f"symmetric pool unavailable: {pool.reason}"
+    assert get_pool() is pool
+    _log(f"ok  pool reused without re-rendezvous: {pool}")
+
+
+def check_fallback_small_pool(device: torch.device) -> None:
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    set_pool(SymmetricPool(group, size_bytes=4096))
+    x, residual, weight = _inputs(64, 4096, torch.bfloat16, seed=3, device=device)
+    ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            n, ro = allreduce_add_rmsnorm(x, residual, weight, group=group, algo="one_shot")
+    msgs = [str(w.message) for w in rec if "falling back to NCCL" in str(w.message)]
+    assert len(msgs) == 1, f"expected one fallback warning, got {msgs}"
+    assert "pool has 4096 B" in msgs[0], msgs[0]
+    torch.testing.assert_close(ro, ref_ro, atol=6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(n, ref_n, atol=6e-2, rtol=1.6e-2)
+    assert _same_on_all_ranks(n)
+    # a tiny message still fits the tiny pool and takes the symmetric kernel
+    xs, rs, ws = _inputs(1, 512, torch.bfloat16, seed=4, device=device)
+    _, ref_small = gather_allreduce_ref(xs, rs, None)
+    assert torch.equal(
+        allreduce_add_rmsnorm(xs, rs, ws, group=group, algo="one_shot")[1], ref_small
+    )
+    _log(f"ok  pool too small → NCCL fallback with one warning: {msgs[0][:90]}…")
+
+
+def check_bad_input(device: torch.device) -> None:
+    x, residual, weight = _inputs(4, 64, torch.bfloat16, seed=1, device=device)
+
+    def expect(exc, fn, what):
+        try:
+            fn()
+        except exc as e:
+            return str(e)
+        raise AssertionError(f"{what}: expected {exc.__name__}")
+
+    expect(ValueError, lambda: allreduce_add_rmsnorm(x, residual[:2], weight), "shape")
+    expect(ValueError, lambda: allreduce_add_rmsnorm(x, residual, weight[:32]), "weight shape")
+    expect(TypeError, lambda: allreduce_add_rmsnorm(x, residual.half(), weight), "dtype")
+    expect(TypeError, lambda: allreduce_add_rmsnorm(x.int(), residual, weight), "x dtype")
+    expect(ValueError, lambda: allreduce_add_rmsnorm(x, residual.cpu(), weight), "device")
+    if torch.cuda.device_count() > 1:
+        other = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+        msg = expect(
+            ValueError,
+            lambda: allreduce_add_rmsnorm(x.to(other), residual.to(other), weight.to(other)),
+            "other GPU",
+        )
+        assert "current CUDA device" in msg, msg
+    solo = None
+    for r in range(dist.get_world_size()):  # every rank must create every group
+        g = dist.new_group([r])
+        if r == dist.get_rank():
+            solo = g
+    n, ro = allreduce_add_rmsnorm(x, residual, weight, group=solo)
+    rn, rro = add_rmsnorm(x, residual, weight)
+    assert torch.equal(n, rn) and torch.equal(ro, rro), "group of size 1 must be add + norm"
+    _log("ok  bad input → clear errors; group of size 1 → local add + RMSNorm")
+
+
+def check_backward(device: torch.device) -> None:
+    T, H = 96, 4096
+    for algo in ("one_shot", "two_shot", "nccl"):
+        x, residual, weight = _inputs(T, H, torch.float32, seed=21, device=device)
+        dn, dro, _ = _inputs(T, H, torch.float32, seed=22, device=device)
+        dn, dro = dn.contiguous(), dro.contiguous()
+        xs = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(xs, x)
+        x.requires_grad_()
+        r = residual.clone().requires_grad_()
+        w = weight.clone().requires_grad_()
+        n, ro = allreduce_add_rmsnorm(x, r, w, algo=algo)
+        (n * dn + ro * dro).sum().backward()
+        s = sum(xs).requires_grad_()
+        r2 = residual.clone().requires_grad_()
+        w2 = weight.clone().requires_grad_()
+        n2, ro2, _ = add_rmsnorm_ref(s, r2, w2, 1e-6)
+        (n2 * dn + ro2 * dro).sum().backward()
+        torch.testing.assert_close(x.grad, s.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(r.grad, r2.grad, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(w.grad, w2.grad, atol=1e-2, rtol=1e-4)
+    _log("ok  backward: identity through the all-reduce + local add/RMSNorm backward")
+
+
+def run_checks(*, iters: int = 1000) -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    t0 = time.perf_counter()
+    check_pool_reuse()
+    check_algos_vs_reference(device)
+    check_repeated_calls(device, iters)
+    check_cuda_graph(device)
+    check_backward(device)
+    check_bad_input(device)
+    check_fallback_small_pool(device)  # last: registers a small pool for a new group only
+    torch.cuda.synchronize()
+    dist.barrier()
+    _log(f"ALL CHECKS PASSED on {dist.get_world_size()} ranks ({time.perf_counter() - t0:.1f} s)")
+
+
+def main() -> None:
+    info = init_distributed()
+    if info.device.type != "cuda" or info.world_size < 2:
+        raise SystemExit("needs >= 2 GPUs under torchrun")
+    _log(
+        f"world={info.world_size} torch={torch.__version__} "
+        f"device={torch.cuda.get_device_name()} env="
+        + ",".join(
+            f"{k}={os.environ.get(k)}"
+            for k in (
+                "NCCL_NVLS_ENABLE",
+                "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                "NVSHMEM_DISABLE_NVLS",
+            )
+        )
+    )
+    try:
+        run_checks()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

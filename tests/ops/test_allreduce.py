@@ -1,0 +1,291 @@
+"""allreduce / allreduce_add / allreduce_add_rmsnorm.
+
+CPU (marker ``dist``): two gloo ranks spawned with torch.multiprocessing exercise the reference
+path, the NCCL-fallback path (gloo's all_reduce + local fused epilogue), autograd, bad input and a
+group of size 1. Under ``TRITON_INTERPRET=1`` the symmetric-memory kernels themselves run in the
+interpreter with two processes sharing file-backed buffers (each "peer buffer" mapped into both
+processes, like symmetric memory), which checks indexing, the barriers and the epochs on CPU.
+GPU (markers ``gpu``, ``dist``): ``tests/distributed/gpu_allreduce_check.py`` under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moekit.reference.allreduce import allreduce_add_rmsnorm_shards_ref
+
+WORLD = 2
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _spawn(fn, *args) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(fn, args=(os.path.join(d, "store"), *args), nprocs=WORLD, join=True)
+
+
+def _init(rank: int, store: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+
+
+def _shards(T: int, H: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(T, H, generator=g).to(dtype) for _ in range(WORLD)]
+    residual = torch.randn(T, H, generator=g).to(dtype)
+    weight = (1 + 0.1 * torch.randn(H, generator=g)).to(dtype)
+    return shards, residual, weight
+
+
+def _all_equal_across_ranks(t: torch.Tensor) -> bool:
+    got = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(got[0], g) for g in got[1:])
+
+
+def _worker_paths(rank: int, store: str) -> None:
+    from moekit.ops.allreduce import allreduce, allreduce_add, allreduce_add_rmsnorm
+
+    _init(rank, store)
+    try:
+        # T=1 (single token), odd H (masking), a batch dim (flattening), all float dtypes
+        for T, H, dtype, extra in [(1, 8, torch.float32, ()), (5, 33, torch.bfloat16, ()),
+                                   (4, 16, torch.float16, (2,))]:  # fmt: skip
+            shards, residual, weight = _shards(T, H, dtype, seed=T * 100 + H)
+            shape = (*extra, T // extra[0], H) if extra else (T, H)
+            x = shards[rank].reshape(shape)
+            res = residual.reshape(shape)
+            ref_n, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, residual, weight, 1e-6)
+            # reference path: bit-identical to the shard oracle and across ranks
+            n, ro = allreduce_add_rmsnorm(x, res, weight, algo="reference")
+            assert n.shape == shape and ro.shape == shape
+            assert torch.equal(ro.reshape(T, H), ref_ro) and torch.equal(n.reshape(T, H), ref_n)
+            # auto on CPU = reference
+            n2, ro2 = allreduce_add_rmsnorm(x, res, weight)
+            assert torch.equal(n2, n) and torch.equal(ro2, ro)
+            # nccl (gloo) fallback: all_reduce in the input dtype, then the fused epilogue
+            n3, ro3 = allreduce_add_rmsnorm(x, res, weight, algo="nccl")
+            tol = {torch.float32: 1e-5, torch.bfloat16: 6e-2, torch.float16: 8e-3}[dtype]
+            torch.testing.assert_close(ro3.float(), ro.float(), atol=tol * 8, rtol=tol)
+            torch.testing.assert_close(n3.float(), n.float(), atol=tol * 8, rtol=tol)
+            assert _all_equal_across_ranks(n3) and _all_equal_across_ranks(ro3)
+            # plain all-reduce and all-reduce + add through the same machinery
+            s = allreduce(x, algo="reference")
+            _, ref_s = allreduce_add_rmsnorm_shards_ref(shards, None, None)
+            assert torch.equal(s.reshape(T, H), ref_s)
+            a = allreduce_add(x, res, algo="reference")
+            assert torch.equal(a, ro)
+            s_n = allreduce(x, algo="nccl")
+            torch.testing.assert_close(s_n.float(), s.float(), atol=tol * 8, rtol=tol)
+        # explicit symmetric algo on CPU: one-time warning, NCCL path
+        shards, residual, weight = _shards(3, 16, torch.float32, seed=7)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            n4, _ = allreduce_add_rmsnorm(shards[rank], residual, weight, algo="one_shot")
+            allreduce_add_rmsnorm(shards[rank], residual, weight, algo="two_shot")
+        msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+        assert len(msgs) == 1 and "CUDA symmetric memory" in msgs[0], msgs
+        ref_n, _ = allreduce_add_rmsnorm_shards_ref(shards, residual, weight, 1e-6)
+        torch.testing.assert_close(n4, ref_n, atol=1e-5, rtol=1e-5)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_autograd(rank: int, store: str) -> None:
+    from moekit.ops.allreduce import allreduce, allreduce_add, allreduce_add_rmsnorm
+    from moekit.reference.rmsnorm import add_rmsnorm_ref
+
+    _init(rank, store)
+    try:
+        T, H = 6, 24
+        shards, residual, weight = _shards(T, H, torch.float32, seed=11)
+        g = torch.Generator().manual_seed(12)
+        dn, dro = torch.randn(T, H, generator=g), torch.randn(T, H, generator=g)
+        for algo in ("reference", "nccl"):
+            x = shards[rank].clone().requires_grad_()
+            r = residual.clone().requires_grad_()
+            w = weight.clone().requires_grad_()
+            n, ro = allreduce_add_rmsnorm(x, r, w, algo=algo)
+            (n * dn + ro * dro).sum().backward()
+            # oracle: local add + norm on the all-reduced sum; the all-reduce's backward is
+            # the identity (Megatron row-parallel), so d x = d residual = d(sum)
+            s = sum(sh for sh in shards).detach().requires_grad_()
+            r2 = residual.clone().requires_grad_()
+            w2 = weight.clone().requires_grad_()
+            n2, ro2, _ = add_rmsnorm_ref(s, r2, w2, 1e-6)
+            (n2 * dn + ro2 * dro).sum().backward()
+            torch.testing.assert_close(x.grad, s.grad, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(r.grad, r2.grad, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(w.grad, w2.grad, atol=1e-4, rtol=1e-5)
+            # only the normed output used (d residual_out = None)
+            x = shards[rank].clone().requires_grad_()
+            allreduce_add_rmsnorm(x, residual, w.detach(), algo=algo)[0].sum().backward()
+            assert x.grad is not None and torch.isfinite(x.grad).all()
+        # identity backward of allreduce / allreduce_add
+        x = shards[rank].clone().requires_grad_()
+        r = residual.clone().requires_grad_()
+        (allreduce(x, algo="reference") * dn).sum().backward()
+        assert torch.equal(x.grad, dn)
+        x.grad = None
+        (allreduce_add(x, r, algo="nccl") * dro).sum().backward()
+        assert torch.equal(x.grad, dro) and torch.equal(r.grad, dro)
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_errors(rank: int, store: str) -> None:
+    from moekit.ops.allreduce import allreduce, allreduce_add_rmsnorm
+    from moekit.reference.rmsnorm import add_rmsnorm_ref
+
+    _init(rank, store)
+    try:
+        x = torch.randn(4, 8)
+        r = torch.randn(4, 8)
+        w = torch.ones(8)
+
+        def raises(exc, match, fn):
+            with pytest.raises(exc, match=match):
+                fn()
+
+        raises(
+            ValueError, "residual must have x's shape", lambda: allreduce_add_rmsnorm(x, r[:3], w)
+        )
+        raises(
+            ValueError, r"weight must have shape \(H,\)", lambda: allreduce_add_rmsnorm(x, r, w[:4])
+        )
+        raises(TypeError, "x must have dtype", lambda: allreduce_add_rmsnorm(x.long(), r, w))
+        raises(
+            TypeError, "residual must have x's dtype", lambda: allreduce_add_rmsnorm(x, r.half(), w)
+        )
+        raises(TypeError, "weight must have", lambda: allreduce_add_rmsnorm(x, r, w.double()))
+        raises(TypeError, "x must be a torch.Tensor", lambda: allreduce_add_rmsnorm([1.0], r, w))
+        raises(ValueError, "residual must be on x's device", lambda: allreduce_add_rmsnorm(
+            x, r.to("meta"), w))  # fmt: skip
+        raises(ValueError, "weight must be on x's device", lambda: allreduce_add_rmsnorm(
+            x, r, w.to("meta")))  # fmt: skip
+        raises(ValueError, "algo must be one of", lambda: allreduce_add_rmsnorm(x, r, w, algo="x"))
+        xt = torch.randn(8, 4).t()  # [4, 8], not contiguous
+        raises(ValueError, "x must be contiguous", lambda: allreduce_add_rmsnorm(xt, r, w))
+        raises(ValueError, "eps must be", lambda: allreduce_add_rmsnorm(x, r, w, eps=-1.0))
+        raises(TypeError, "group must be", lambda: allreduce(x, group="world"))
+        # group of size 1: no communication, plain add + RMSNorm
+        solo = [dist.new_group([0]), dist.new_group([1])][rank]
+        n, ro = allreduce_add_rmsnorm(x, r, w, group=solo, algo="one_shot")
+        rn, rro, _ = add_rmsnorm_ref(x, r, w, 1e-6)
+        torch.testing.assert_close(n, rn, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ro, rro, atol=0, rtol=0)
+        assert allreduce(x, group=solo) is x
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_reference_and_nccl_paths():
+    _spawn(_worker_paths)
+
+
+@pytest.mark.dist
+def test_autograd_row_parallel_semantics():
+    _spawn(_worker_autograd)
+
+
+@pytest.mark.dist
+def test_bad_input_and_group_of_one():
+    _spawn(_worker_errors)
+
+
+# ----------------------------------------------------------------------------------------------
+# the symmetric-memory kernels in Triton's interpreter, two processes sharing buffers
+# ----------------------------------------------------------------------------------------------
+
+
+def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: str) -> None:
+    from moekit.kernels import allreduce as kar
+
+    bufs = [torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8) for p in paths]
+    peer_bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
+    epochs = torch.zeros(kar.MAX_BLOCKS, dtype=torch.int32)
+    cases = [
+        # (T, H, algo, dtype, max_programs): T=1 leaves ranks without rows in two_shot; T not a
+        # multiple of W or of the grid; grids change between calls (epochs must stay in step)
+        (5, 64, "one_shot", torch.float32, 3),
+        (7, 32, "two_shot", torch.float32, 2),
+        (1, 64, "two_shot", torch.float32, 4),
+        (9, 16, "one_shot", torch.bfloat16, 4),
+        (3, 16, "two_shot", torch.float16, 1),
+        (6, 8, "one_shot", torch.float32, 1),
+    ]
+    results = {}
+    for i, (T, H, algo, dtype, progs) in enumerate(cases):
+        shards, residual, weight = _shards(T, H, dtype, seed=1000 + i)
+        for mode in ("norm", "add", "plain"):
+            res = residual if mode != "plain" else None
+            w = weight if mode == "norm" else None
+            y, ro, rstd = kar.allreduce_fused(
+                shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=epochs, rank=rank,
+                algo=algo, max_programs=progs, store_rstd=True,
+            )  # fmt: skip
+            ref_y, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, res, w, 1e-6)
+            # fp32: exact (same order of fp32 additions); bf16/fp16: the interpreter truncates
+            # fp32 → bf16 instead of rounding, so allow one ulp
+            tol = 0.0 if dtype == torch.float32 else 2.0**-6
+            torch.testing.assert_close(ro.float(), ref_ro.float(), atol=tol * 8, rtol=tol)
+            if w is not None:
+                torch.testing.assert_close(y.float(), ref_y.float(), atol=tol * 8 + 1e-6, rtol=tol)
+                assert rstd is not None and torch.isfinite(rstd).all()
+            results[f"{i}-{mode}-ro"] = ro
+            if y is not None:
+                results[f"{i}-{mode}-y"] = y
+    results["epochs"] = epochs.clone()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.dist
+def test_symmetric_kernels_in_interpreter(interpret):
+    if not interpret:
+        pytest.skip("runs the cross-rank kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    from moekit.kernels import allreduce as kar
+
+    nbytes = kar.DATA_OFFSET + (1 << 16)
+    d = tempfile.mkdtemp()
+    try:
+        paths = []
+        for r in range(WORLD):
+            p = os.path.join(d, f"buf{r}")
+            with open(p, "wb") as f:
+                f.write(b"\0" * nbytes)
+            paths.append(p)
+        mp.spawn(_worker_sim, args=(os.path.join(d, "store"), paths, nbytes, d), nprocs=WORLD)
+        outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
+        for key in outs[0]:
+            assert torch.equal(outs[0][key], outs[1][key]), f"ranks differ on {key}"
+        assert int(outs[0]["epochs"][0]) == 18  # 6 cases × 3 modes, program 0 in every launch
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: the full check script under torchrun (2+ GPUs)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+def test_gpu_allreduce_check_torchrun():
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs >= 2 GPUs")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=REPO)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+           os.path.join(REPO, "tests", "distributed", "gpu_allreduce_check.py")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
