@@ -25,9 +25,9 @@ import triton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from moekit.kernels import grouped_gemm as K  # noqa: E402
-from moekit.kernels.grouped_gemm import tuned_configs  # noqa: E402
-from moekit.ops import grouped_mm  # noqa: E402
+from moekit.kernels import grouped_gemm as K
+from moekit.kernels.grouped_gemm import tuned_configs
+from moekit.ops import grouped_mm
 
 SHAPES = [  # name, T, E, H, F
     ("te_seed", 66560, 20, 2048, 512),
@@ -173,7 +173,9 @@ def sweep(names, dtype, peak, gen) -> list[dict]:
                     tf, ms = float("nan"), float("nan")
                     print(f"  {name} {pname} {cfg}: {type(exc).__name__} {str(exc)[:120]}")
                 rows.append({"shape": name, "pass": pname, "config": str(cfg), "tflops": tf})
-                print(f"sweep {name:16s} {pname:11s} {tf:6.0f} TF/s ({100 * tf / peak:5.1f}%)  {cfg}")
+                print(
+                    f"sweep {name:16s} {pname:11s} {tf:6.0f} TF/s ({100 * tf / peak:5.1f}%)  {cfg}"
+                )
     return rows
 
 
@@ -182,14 +184,18 @@ def main() -> None:
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--quick", action="store_true", help="skip the per-expert loop baseline")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    parser.add_argument("--sweep", default="", help="comma list of shapes whose tile configs to sweep")
+    parser.add_argument(
+        "--sweep", default="", help="comma list of shapes whose tile configs to sweep"
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
     gen = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
     peak = dense_peak_tflops(dtype)
-    print(f"device: {torch.cuda.get_device_name()}  dense bf16 peak (torch.mm 8192^3): {peak:.0f} TFLOP/s")
+    print(
+        f"device: {torch.cuda.get_device_name()}  dense bf16 peak (torch.mm 8192^3): {peak:.0f} TFLOP/s"
+    )
 
     if args.sweep:
         sweep_rows = sweep(set(args.sweep.split(",")), dtype, peak, gen)
@@ -200,7 +206,7 @@ def main() -> None:
     for i, (name, T, E, H, F) in enumerate(SHAPES):
         if name not in wanted:
             continue
-        for skewed in ([False, True] if i == 0 else [True]):
+        for skewed in [False, True] if i == 0 else [True]:
             rows += run_case(name, T, E, H, F, skewed, dtype, peak, gen, args.quick)
     peak2 = dense_peak_tflops(dtype)
 

@@ -10,12 +10,12 @@ import os
 
 
 def interpret_mode() -> bool:
-    """True when Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    """True when Triton kernels run in Triton's CPU interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def autotune_enabled() -> bool:
-    """``MOEKIT_AUTOTUNE=0`` turns kernel autotuning off; heuristic tile configs are used instead."""
+    """``MOEKIT_AUTOTUNE=0`` turns autotuning off; heuristic tile configs are used instead."""
     return os.environ.get("MOEKIT_AUTOTUNE", "1") != "0"
 
 
@@ -23,3 +23,9 @@ def symm_pool_bytes(default: int) -> int:
     """Size of the symmetric-memory pool: ``MOEKIT_SYMM_POOL_MB`` (MiB) if set, else ``default``."""
     mb = os.environ.get("MOEKIT_SYMM_POOL_MB")
     return int(float(mb) * (1 << 20)) if mb else default
+
+
+def env_kib(name: str) -> int | None:
+    """A size knob given in KiB (e.g. ``MOEKIT_AR_ONE_SHOT_MAX_KB``), in bytes; None if unset."""
+    value = os.environ.get(name)
+    return int(float(value) * 1024) if value else None

@@ -25,8 +25,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def _seed(request):
-    # A different seed per test (derived from its name) so tests see fresh random data,
-    # yet a failure reproduces: the seed derives from the test id, and MOEKIT_TEST_SEED shifts all of them.
+    # A different seed per test so tests see fresh random data, yet a failure reproduces:
+    # the seed derives from the test id, and MOEKIT_TEST_SEED shifts all of them.
     base = int(os.environ.get("MOEKIT_TEST_SEED", "0"))
     seed = (zlib.crc32(request.node.nodeid.encode()) + base) % (2**31)
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ import triton
 
 from moekit.config import interpret_mode
 
+
 def _scratch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side TMA descriptors (tl.make_tensor_descriptor) live in this scratch memory.
     # Allocating through torch keeps it inside the caching allocator, so CUDA-graph capture works.
@@ -25,7 +26,7 @@ def ensure_scratch_allocator() -> None:
     triton.set_allocator(_scratch_alloc)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device_index: int | None) -> int:
     """Streaming multiprocessors of a CUDA device; a small fixed number under the interpreter."""
     if device_index is None:

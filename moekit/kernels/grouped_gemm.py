@@ -187,7 +187,9 @@ def _grouped_mm_ragged_m_kernel(
         c = acc.to(dtype)
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
-            c_ragged.store([row_end, off_m - row_end + T + BLOCK_M, off_n], c.reshape(1, BLOCK_M, BLOCK_N))
+            c_ragged.store(
+                [row_end, off_m - row_end + T + BLOCK_M, off_n], c.reshape(1, BLOCK_M, BLOCK_N)
+            )
         else:
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
@@ -313,7 +315,8 @@ _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
-    GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
+    GemmConfig(128, 256, 128, num_warps=8, num_stages=2, c_tma=False),
+    GemmConfig(128, 128, 128, num_warps=8, num_stages=3, c_tma=False),
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -329,7 +332,9 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     return _RAGGED_M_CANDIDATES_16 if kind == "m" else _RAGGED_K_CANDIDATES_16
 
 
-def _pick_config(kind: str, key: tuple, dtype: torch.dtype, device: torch.device, launch) -> GemmConfig:
+def _pick_config(
+    kind: str, key: tuple, dtype: torch.dtype, device: torch.device, launch
+) -> GemmConfig:
     """Heuristic config, or the fastest candidate timed once per static key (never the ragged
     dimension) when autotuning is on and we are not inside CUDA-graph capture."""
     if interpret_mode() or device.type != "cuda":
@@ -350,7 +355,9 @@ def _pick_config(kind: str, key: tuple, dtype: torch.dtype, device: torch.device
             # pruned, visibly; the heuristic default is never pruned silently.
             if cand is candidates[0]:
                 raise
-            warnings.warn(f"moekit: grouped GEMM config {cand} skipped: {str(exc)[:200]}", stacklevel=3)
+            warnings.warn(
+                f"moekit: grouped GEMM config {cand} skipped: {str(exc)[:200]}", stacklevel=3
+            )
             continue
         if ms < best_ms:
             best, best_ms = cand, ms
@@ -372,7 +379,9 @@ def _tma_compatible(t: torch.Tensor, unit_dim: int) -> bool:
     size = t.element_size()
     others = [st for d, st in enumerate(t.stride()) if d != unit_dim % t.dim()]
     return (
-        t.stride(unit_dim) == 1 and t.data_ptr() % 16 == 0 and all(st * size % 16 == 0 for st in others)
+        t.stride(unit_dim) == 1
+        and t.data_ptr() % 16 == 0
+        and all(st * size % 16 == 0 for st in others)
     )
 
 
@@ -413,7 +422,9 @@ def grouped_mm_ragged_m(
         )  # fmt: skip
 
     if config is None:
-        config = _pick_config("m", (N, K, E, b_k_major, bias is not None), a.dtype, a.device, launch)
+        config = _pick_config(
+            "m", (N, K, E, b_k_major, bias is not None), a.dtype, a.device, launch
+        )
     launch(config)
     return out
 

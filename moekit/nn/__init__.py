@@ -1,5 +1,7 @@
 """Thin modules that own parameters and call moekit.ops."""
 
 from moekit.nn.grouped_linear import GroupedLinear
+from moekit.nn.rmsnorm import RMSNorm
+from moekit.nn.row_parallel_linear import RowParallelLinear
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "RMSNorm", "RowParallelLinear"]

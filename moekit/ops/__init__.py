@@ -1,7 +1,29 @@
 """Public functional ops: validate inputs, dispatch to the Triton kernel or the reference."""
 
+from moekit.ops.allreduce import (
+    allreduce,
+    allreduce_add,
+    allreduce_add_rmsnorm,
+    auto_algo,
+    set_auto_thresholds,
+)
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
+from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 
-__all__ = ["Dispatch", "grouped_linear", "grouped_mm", "permute", "sort_chunks_by_index", "unpermute"]
+__all__ = [
+    "Dispatch",
+    "add_rmsnorm",
+    "allreduce",
+    "allreduce_add",
+    "allreduce_add_rmsnorm",
+    "auto_algo",
+    "grouped_linear",
+    "grouped_mm",
+    "permute",
+    "rmsnorm",
+    "set_auto_thresholds",
+    "sort_chunks_by_index",
+    "unpermute",
+]

@@ -34,12 +34,12 @@ which must therefore happen before CUDA-graph capture.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
+from moekit.config import env_kib
 from moekit.distributed.symmetric_pool import SymmetricPool, get_pool
 from moekit.kernels import allreduce as _kar
 from moekit.kernels import rmsnorm as _krn
@@ -82,22 +82,17 @@ def set_auto_thresholds(
     _overrides["two_shot_max"] = two_shot_max_bytes
 
 
-def _env_kb(name: str) -> int | None:
-    v = os.environ.get(name)
-    return None if not v else int(float(v) * 1024)
-
-
 def auto_algo(nbytes: int, world_size: int) -> str:
     """The algorithm ``auto`` picks for a message of ``nbytes`` (T·H·element size)."""
     one_max = _overrides["one_shot_max"]
     if one_max is None:
-        one_max = _env_kb("MOEKIT_AR_ONE_SHOT_MAX_KB")
+        one_max = env_kib("MOEKIT_AR_ONE_SHOT_MAX_KB")
     if one_max is None:
         gain = (world_size - 1) * (1.0 - 2.0 / world_size)
         one_max = math.inf if gain <= 0 else _BARRIER_S * _NVLINK_BPS / gain
     two_max = _overrides["two_shot_max"]
     if two_max is None:
-        two_max = _env_kb("MOEKIT_AR_TWO_SHOT_MAX_KB")
+        two_max = env_kib("MOEKIT_AR_TWO_SHOT_MAX_KB")
     if two_max is None:
         two_max = math.inf
     if nbytes <= one_max:

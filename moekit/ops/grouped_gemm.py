@@ -329,7 +329,9 @@ def grouped_mm(
                 f"{tuple(out.shape)} {out.dtype} on {out.device}"
             )
         if not out.is_contiguous():
-            raise ValueError(f"out must be contiguous for the ragged-M form, got strides {out.stride()}")
+            raise ValueError(
+                f"out must be contiguous for the ragged-M form, got strides {out.stride()}"
+            )
         _check_no_grad(a, b, bias)
         _ragged_m_out_op(a, b, offsets, bias, out)
         return out

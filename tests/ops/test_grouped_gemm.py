@@ -91,7 +91,9 @@ def test_ragged_m_out_argument():
     T, E, K, N = 30, 3, 16, 16
     offsets = offsets_from_counts([10, 0, 15])
     a, b = torch.randn(T, K, dtype=torch.float16), torch.randn(E, K, N, dtype=torch.float16)
-    out = torch.full((T, N), float("nan"), dtype=torch.float16)  # poisoned: every row must be written
+    out = torch.full(
+        (T, N), float("nan"), dtype=torch.float16
+    )  # poisoned: every row must be written
     res = grouped_mm(a, b, offsets, out=out)
     assert res is out
     assert_close(out, grouped_mm_ragged_m_ref(a, b, offsets, torch.float32), torch.float16)
@@ -260,7 +262,9 @@ def _rel(x, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,E,K,N", [(8192, 16, 2048, 1536), (4096, 128, 2880, 2880), (3000, 8, 1024, 4096)])
+@pytest.mark.parametrize(
+    "T,E,K,N", [(8192, 16, 2048, 1536), (4096, 128, 2880, 2880), (3000, 8, 1024, 4096)]
+)
 def test_gpu_ragged_m_bf16_error_bounded_by_torch(T, E, K, N):
     counts = _skewed_counts(T, E, None)
     offsets = offsets_from_counts(counts, "cuda")
@@ -284,7 +288,10 @@ def test_gpu_ragged_k_bf16(out_dtype):
     ref = grouped_mm_ragged_k_ref(dy.t(), x, offsets, torch.float32)
     out = grouped_mm(dy.t(), x, offsets, out_dtype=out_dtype)
     torch_out = torch.stack(
-        [dy.t()[:, s : s + c] @ x[s : s + c] for s, c in zip([0, *torch.tensor(counts).cumsum(0).tolist()], counts)]
+        [
+            dy.t()[:, s : s + c] @ x[s : s + c]
+            for s, c in zip([0, *torch.tensor(counts).cumsum(0).tolist()], counts)
+        ]
     )
     assert _rel(out, ref) <= 2 * _rel(torch_out, ref) + 1e-5
     assert torch.all(out[0] == 0)
@@ -356,3 +363,15 @@ def test_gpu_torch_compile_fullgraph_grouped_linear():
     layer.weight.grad = None
     step(x, offsets).backward()
     assert _rel(gx, x.grad) < 1e-2 and _rel(gw, layer.weight.grad) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_inputs_use_tf32_kernels():
+    T, E, K, N = 2048, 6, 512, 256
+    offsets = offsets_from_counts(_skewed_counts(T, E, None), "cuda")
+    a = torch.randn(T, K, device="cuda")
+    w = torch.randn(E, N, K, device="cuda") / K**0.5
+    out = grouped_mm(a, w.transpose(1, 2), offsets)
+    assert _rel(out, grouped_mm_ragged_m_ref(a, w.transpose(1, 2), offsets, torch.float32)) < 5e-3
+    g = grouped_mm(a.t(), out, offsets)
+    assert _rel(g, grouped_mm_ragged_k_ref(a.t(), out, offsets, torch.float32)) < 5e-3
