@@ -317,6 +317,7 @@ _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
     GemmConfig(128, 256, 128, num_warps=8, num_stages=2, c_tma=False),
     GemmConfig(128, 128, 128, num_warps=8, num_stages=3, c_tma=False),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),  # bf16 out only: fp32 C tile won't fit
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -350,9 +351,13 @@ def _pick_config(
     for cand in candidates:
         try:
             ms = triton.testing.do_bench(lambda c=cand: launch(c), warmup=5, rep=25)
-        except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
-            # A candidate this compiler/device cannot build (shared memory, a failing pass) is
-            # pruned, visibly; the heuristic default is never pruned silently.
+        except triton.runtime.errors.OutOfResources:
+            if cand is candidates[0]:
+                raise
+            continue  # e.g. an fp32 C tile that does not fit in shared memory: not a candidate
+        except RuntimeError as exc:
+            # A candidate this compiler cannot build (a failing pass) is pruned, visibly; the
+            # heuristic default is never pruned.
             if cand is candidates[0]:
                 raise
             warnings.warn(
