@@ -227,6 +227,7 @@ def _grouped_mm_ragged_k_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr,
     NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
@@ -244,6 +245,21 @@ def _grouped_mm_ragged_k_kernel(
     a_desc = _ragged_rows_desc(a_ptr, T, M, stride_a_t, BLOCK_K, BLOCK_M)
     b_desc = _ragged_rows_desc(b_ptr, T, N, stride_b_t, BLOCK_K, BLOCK_N)
     big = T + BLOCK_K
+
+    # A tile's cost is proportional to its expert's row count, so with skewed routing a
+    # round-robin deal leaves some programs with several long tiles at the end. Dealing the
+    # experts' tiles in order of decreasing count (longest first) keeps the tail short. The
+    # order comes from an in-kernel sort of (count << 20 | expert): no host sync.
+    offs_e = tl.arange(0, BLOCK_E)
+    in_e = offs_e < E
+    ends = tl.load(offsets_ptr + offs_e, mask=in_e, other=0).to(tl.int32)
+    ends = tl.minimum(tl.maximum(ends, 0), T)
+    starts = tl.load(offsets_ptr + offs_e - 1, mask=in_e & (offs_e > 0), other=0).to(tl.int32)
+    starts = tl.minimum(tl.maximum(starts, 0), ends)
+    counts = tl.where(in_e, ends - starts, -1)  # padding lanes sort last
+    order = tl.sort((counts.to(tl.int64) << 20) | offs_e.to(tl.int64), descending=True)
+    order = (order & 0xFFFFF).to(tl.int32)  # expert id by rank
+
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(
             c_ptr,
@@ -253,14 +269,13 @@ def _grouped_mm_ragged_k_kernel(
         )
 
     for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-        e = tile // per_expert
+        rank = tile // per_expert
+        e = tl.sum(tl.where(offs_e == rank, order, 0), axis=0)
         pid_m, pid_n = _swizzle_tile(tile % per_expert, num_m, num_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        end = tl.load(offsets_ptr + e).to(tl.int32)
-        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-        end = tl.minimum(tl.maximum(end, 0), T)
-        start = tl.minimum(tl.maximum(start, 0), end)
+        end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+        start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(tl.cdiv(end - start, BLOCK_K)):
@@ -466,6 +481,7 @@ def grouped_mm_ragged_k(
             BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
+            BLOCK_E=max(triton.next_power_of_2(E), 16),
             GROUP_M=cfg.group_m,
             NUM_PROGRAMS=grid,
             FLATTEN=cfg.flatten,
