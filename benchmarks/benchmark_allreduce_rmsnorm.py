@@ -3,8 +3,9 @@
     bash benchmarks/run_allreduce_rmsnorm.sh --out results/    # sets the no-multicast env
 
 1. Correctness pass (``tests/distributed/gpu_allreduce_check.run_checks``): every algo vs the
-   reference, bit-identical on every rank, 1000 repeated calls, CUDA-graph capture, the NCCL
-   fallback with a too-small pool, bad input, backward. ``--skip-checks`` skips it.
+   reference, bit-identical on every rank, ``--check-iters`` repeated calls, back-to-back calls
+   with one rank delayed in turn, cached launch plans + a misaligned input, CUDA-graph capture,
+   the NCCL fallback with a too-small pool, bad input, backward. ``--skip-checks`` skips it.
 2. Timing grid: tokens × hidden, bf16. Per method and shape, the latency of one call is the median
    over ``--iters`` (≥ 200) calls, each timed with CUDA events, eager and replayed from a CUDA graph
    holding one call; the reported number is the maximum over ranks. Methods:

@@ -7,10 +7,11 @@ the kernels get them as the device tensor :attr:`SymmetricPool.peer_bases` (int6
 read or write the peers' memory directly over NVLink. Nothing is re-rendezvoused per call.
 
 Sub-allocation: the first ``SIGNAL_BYTES`` hold the barrier flags (see
-:mod:`moekit.kernels.allreduce`); the data region after them is scratch that one op at a time
-uses from offset 0 (ops on a pool are ordered by the stream they run on, so consecutive ops never
-overlap). :meth:`SymmetricPool.fits` says whether a call's workspace fits; when it does not, or
-symmetric memory is unavailable (no CUDA, ranks on several hosts, more than ``MAX_WORLD`` ranks,
+:mod:`moekit.kernels.allreduce`); the data region after them is split in two halves of
+:attr:`SymmetricPool.half_bytes` that consecutive launches alternate between (double buffering,
+which lets the kernels skip their exit barrier); a call's workspace is one half.
+:meth:`SymmetricPool.fits` says whether a call's workspace fits; when it does not, or symmetric
+memory is unavailable (no CUDA, ranks on several hosts, more than ``MAX_WORLD`` ranks,
 size 0, a torch build without it), :attr:`available`/:attr:`reason` say so and the ops fall back
 to NCCL with a one-time warning.
 
@@ -30,11 +31,11 @@ import torch.distributed as dist
 
 from moekit.config import symm_pool_bytes
 from moekit.distributed.env import disable_multicast_env
-from moekit.kernels.allreduce import DATA_OFFSET, MAX_BLOCKS, MAX_WORLD, SIGNAL_BYTES
+from moekit.kernels.allreduce import CTL_WORDS, DATA_OFFSET, MAX_WORLD, SIGNAL_BYTES, half_bytes
 
 DEFAULT_POOL_BYTES = 128 << 20  # data region; 2× covers a two_shot of 16k tokens × 2048 bf16
 
-__all__ = ["DEFAULT_POOL_BYTES", "SymmetricPool", "get_pool", "set_pool"]
+__all__ = ["DEFAULT_POOL_BYTES", "SymmetricPool", "get_pool", "pool_generation", "set_pool"]
 
 
 def _group_key(group: dist.ProcessGroup) -> str:
@@ -48,9 +49,11 @@ class SymmetricPool:
     Attributes:
         group, rank, world_size: the process group and this rank's place in it.
         capacity: bytes of the data region (excluding the signal region).
+        half_bytes: bytes of each of its two halves (the most one call can stage).
         available: False when symmetric memory cannot be used; ``reason`` says why.
         peer_bases: ``[W]`` int64 device tensor, the address of every rank's buffer here.
-        epochs: ``[MAX_BLOCKS]`` int32 device tensor, per-program barrier epochs (local).
+        epochs: ``[CTL_WORDS]`` int32 device tensor (local): the launch epoch and the arrival
+            counter of the kernels (:mod:`moekit.kernels.allreduce`).
         handle: the ``_SymmetricMemory`` handle from ``rendezvous`` (None when unavailable).
     """
 
@@ -76,6 +79,7 @@ class SymmetricPool:
         )
         if self.capacity < 0:
             raise ValueError(f"size_bytes must be >= 0, got {self.capacity}")
+        self.half_bytes = half_bytes(self.capacity)
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device if device is not None else torch.device("cpu")
@@ -144,13 +148,14 @@ class SymmetricPool:
         self.handle = handle
         bases = [ptrs[r] + every_host[r][0] for r in range(self.world_size)]
         self.peer_bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
-        self.epochs = torch.zeros(MAX_BLOCKS, dtype=torch.int32, device=self.device)
+        self.epochs = torch.zeros(CTL_WORDS, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
         self.available = True
 
     def fits(self, nbytes: int) -> bool:
-        """Whether a call needing ``nbytes`` of the data region can run on this pool."""
-        return self.available and nbytes <= self.capacity
+        """Whether a call needing ``nbytes`` of the data region (both halves, as given by
+        :func:`moekit.kernels.allreduce.workspace_bytes`) can run on this pool."""
+        return self.available and nbytes // 2 <= self.half_bytes
 
     def local_view(
         self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0
@@ -174,6 +179,14 @@ class SymmetricPool:
 
 
 _POOLS: dict[str, SymmetricPool] = {}
+# Bumped whenever the pool of some group changes; the ops drop their cached launch plans (which
+# hold pool addresses) when it moves.
+_generation = 0
+
+
+def pool_generation() -> int:
+    """A counter that changes whenever :func:`get_pool` may return a different pool."""
+    return _generation
 
 
 def get_pool(group: dist.ProcessGroup | None = None) -> SymmetricPool:
@@ -183,8 +196,10 @@ def get_pool(group: dist.ProcessGroup | None = None) -> SymmetricPool:
     key = _group_key(group)
     pool = _POOLS.get(key)
     if pool is None:
+        global _generation
         pool = SymmetricPool(group)
         _POOLS[key] = pool
+        _generation += 1
     return pool
 
 
@@ -194,5 +209,7 @@ def set_pool(pool: SymmetricPool) -> SymmetricPool:
     Do this before capturing CUDA graphs that use the group: captured kernels keep the old pool's
     addresses.
     """
+    global _generation
     _POOLS[_group_key(pool.group)] = pool
+    _generation += 1
     return pool

@@ -29,20 +29,31 @@ If the weight is not replicated (sequence parallel), reduce its gradient yoursel
 Group of size 1: no communication, just the local add + RMSNorm.
 No host synchronisation on the CUDA path; the pool is created (collectively) on the first call,
 which must therefore happen before CUDA-graph capture.
+
+Host cost: everything that depends only on the call's shape, dtypes, device, group and algo (the
+algorithm ``auto`` picks, the fallback decision, the pool, the grid, the compiled kernel) is
+resolved once into a cached launch plan; a repeated call validates its inputs, looks the plan up,
+allocates its outputs and makes one kernel launch. Without autograd (no input requires grad, or
+``torch.no_grad()``) the ``autograd.Function`` is skipped too. Plans are dropped when a pool is
+replaced (:func:`~moekit.distributed.symmetric_pool.set_pool`) or the thresholds change
+(:func:`set_auto_thresholds`); ``MOEKIT_AR_*`` environment variables are read when a plan is built.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from moekit.config import env_kib
+from moekit.distributed import symmetric_pool as _sp
 from moekit.distributed.symmetric_pool import SymmetricPool, get_pool
 from moekit.kernels import allreduce as _kar
 from moekit.kernels import rmsnorm as _krn
+from moekit.kernels._runtime import device_sms
 from moekit.ops._dispatch import use_triton
 from moekit.ops.rmsnorm import add_rmsnorm, validate_norm_inputs
 from moekit.reference.allreduce import gather_allreduce_ref
@@ -63,11 +74,15 @@ _SYMM_ALGOS = ("one_shot", "two_shot")
 # algorithm selection
 # ----------------------------------------------------------------------------------------------
 
-# Cost model behind the default: one_shot moves (W−1)·N bytes into each GPU, two_shot 2(W−1)/W·N
-# plus one more barrier. With ≈ 3 µs per extra barrier and ≈ 450 GB/s NVLink ingress per H100/H200,
-# two_shot wins above N ≈ 3e-6 · 450e9 / ((W−1)(1 − 2/W)): never for W = 2, ≈ 0.9 MB for W = 4,
-# ≈ 0.26 MB for W = 8. Above ``two_shot_max`` NCCL is used. Tune with set_auto_thresholds() or
+# Defaults from the H200 measurements (docs/allreduce_rmsnorm.md, bf16, CUDA graphs): with two
+# ranks one_shot is the fastest of one_shot / two_shot / NCCL at every size measured
+# (0.01 … 235 MB); with four, one_shot up to ≈ 1 MB and two_shot above. Both beat NCCL + add +
+# norm at every size, so NCCL is never picked by default. Other world sizes use the cost model:
+# one_shot moves (W−1)·N bytes into each GPU, two_shot 2(W−1)/W·N plus one more barrier; with
+# ≈ 3 µs per extra barrier and ≈ 450 GB/s NVLink ingress, two_shot wins above
+# N ≈ 3e-6 · 450e9 / ((W−1)(1 − 2/W)) (≈ 0.26 MB for W = 8). Tune with set_auto_thresholds() or
 # MOEKIT_AR_ONE_SHOT_MAX_KB / MOEKIT_AR_TWO_SHOT_MAX_KB (the benchmark prints suggested values).
+_MEASURED_ONE_SHOT_MAX = {2: math.inf, 4: 1 << 20}
 _BARRIER_S = 3e-6
 _NVLINK_BPS = 450e9
 _overrides: dict[str, int | None] = {"one_shot_max": None, "two_shot_max": None}
@@ -77,9 +92,11 @@ def set_auto_thresholds(
     one_shot_max_bytes: int | None = None, two_shot_max_bytes: int | None = None
 ) -> None:
     """Override ``auto``: one_shot up to ``one_shot_max_bytes``, two_shot up to
-    ``two_shot_max_bytes``, NCCL above (``None`` restores the default / environment)."""
+    ``two_shot_max_bytes``, NCCL above (``None`` restores the default / environment).
+    Drops the cached launch plans, so the next call of every shape re-decides."""
     _overrides["one_shot_max"] = one_shot_max_bytes
     _overrides["two_shot_max"] = two_shot_max_bytes
+    _plans.clear()
 
 
 def auto_algo(nbytes: int, world_size: int) -> str:
@@ -87,6 +104,8 @@ def auto_algo(nbytes: int, world_size: int) -> str:
     one_max = _overrides["one_shot_max"]
     if one_max is None:
         one_max = env_kib("MOEKIT_AR_ONE_SHOT_MAX_KB")
+    if one_max is None:
+        one_max = _MEASURED_ONE_SHOT_MAX.get(world_size)
     if one_max is None:
         gain = (world_size - 1) * (1.0 - 2.0 / world_size)
         one_max = math.inf if gain <= 0 else _BARRIER_S * _NVLINK_BPS / gain
@@ -108,48 +127,114 @@ _warned: set[str] = set()
 def _warn_once(key: str, message: str) -> None:
     if key not in _warned:
         _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
-def _symm_unusable(pool: SymmetricPool, x: torch.Tensor, algo: str) -> tuple[str, str]:
+def _symm_unusable(pool: SymmetricPool, T: int, H: int, element_size: int) -> tuple[str, str]:
     """("", "") when the symmetric kernels can run this call, else (warning key, reason)."""
-    T, H = x.shape
     if not pool.available:
         return "unavailable", f"symmetric memory unavailable: {pool.reason}"
     if H > _kar.MAX_FUSED_H:
         return "wide", f"H = {H} > {_kar.MAX_FUSED_H}, the widest row the fused kernels hold"
-    if (H * x.element_size()) % 16:
-        return "align", f"rows of H = {H} × {x.element_size()} B are not a multiple of 16 bytes"
-    need = _kar.workspace_bytes(T, H, x.element_size(), algo)
+    if (H * element_size) % 16:
+        return "align", f"rows of H = {H} × {element_size} B are not a multiple of 16 bytes"
+    need = _kar.workspace_bytes(T, H, element_size, "one_shot")
     if not pool.fits(need):
         return "small", (
-            f"{algo} needs {need} B of symmetric memory, the pool has {pool.capacity} B "
-            "(raise MOEKIT_SYMM_POOL_MB or pass a larger SymmetricPool)"
+            f"needs {need} B of symmetric memory (two halves of T·H·e), the pool has "
+            f"{pool.capacity} B (raise MOEKIT_SYMM_POOL_MB or pass a larger SymmetricPool)"
         )
     return "", ""
 
 
 # ----------------------------------------------------------------------------------------------
-# forward paths (no autograd)
+# launch plans: everything that depends only on (shape, dtypes, device, group, algo), built once
 # ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How calls of one static configuration run (see :func:`_build_plan`)."""
+
+    kind: str  # "local" (group of one) | "symm" | "nccl" | "reference"
+    group: dist.ProcessGroup
+    need_rstd: bool
+    kernel: _kar.FusedAllreducePlan | None = None  # kind == "symm"
+    triton_epilogue: bool = False  # kind == "nccl": local fused add + norm kernel vs reference
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # [T, H]
+        weight: torch.Tensor | None,  # [H]
+        eps: float,
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``(normed | None, residual_out, rstd | None)``; residual_out is the all-reduce itself
+        when there is neither residual nor weight."""
+        if self.kind == "symm":
+            return self.kernel(x, residual, weight, eps)
+        if self.kind == "reference":
+            normed, ro = gather_allreduce_ref(x, residual, weight, eps, self.group)
+            rstd = _rstd_of(ro, eps) if (self.need_rstd and weight is not None) else None
+            return normed, ro, rstd
+        # "nccl": torch.distributed.all_reduce (NCCL on GPUs, gloo on CPU) + local fused epilogue
+        summed = x.clone()
+        dist.all_reduce(summed, group=self.group)
+        if weight is None:
+            if residual is not None:
+                summed.add_(residual)
+            return None, summed, None
+        if self.triton_epilogue:
+            return _krn.add_rmsnorm_fwd(summed, residual, weight, eps, store_rstd=self.need_rstd)
+        return add_rmsnorm_ref(summed, residual, weight, eps)
+
+
+_plans: dict[tuple, _Plan] = {}
+_plans_generation = [-1]  # the pool generation the cached plans were built against
 
 
 def _rstd_of(ro: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(ro.float().pow(2).mean(-1) + eps)
 
 
-def _forward(
-    x: torch.Tensor,  # [T, H]
-    residual: torch.Tensor | None,  # [T, H]
-    weight: torch.Tensor | None,  # [H]
-    eps: float,
-    group: dist.ProcessGroup,
-    algo: str,
+def _resolve_group(group: object) -> dist.ProcessGroup:
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(
+            "group: torch.distributed is not initialised "
+            "(call moekit.distributed.init_distributed())"
+        )
+    if group is None:
+        return dist.group.WORLD
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
+        )
+    return group
+
+
+def _build_plan(
+    group: object,
+    algo: object,
+    T: int,
+    H: int,
+    x: torch.Tensor,
+    has_residual: bool,
+    weight: torch.Tensor | None,
     need_rstd: bool,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """Returns ``(normed | None, residual_out, rstd | None)``; residual_out is the all-reduce
-    itself when there is neither residual nor weight."""
+) -> _Plan:
+    """Validate the group and algo, decide the path (one warning per fallback reason), build the
+    kernel plan. Collective on the group's first call (creates its symmetric pool)."""
+    if not isinstance(algo, str) or algo not in ALGOS:
+        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    group = _resolve_group(group)
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        raise ValueError(
+            f"x must be on the current CUDA device cuda:{torch.cuda.current_device()} "
+            f"(the group's device), got {x.device}"
+        )
     world = dist.get_world_size(group)
+    if world == 1:
+        return _Plan("local", group, need_rstd)
     if not x.is_cuda:
         if algo in _SYMM_ALGOS:
             _warn_once(
@@ -163,9 +248,9 @@ def _forward(
     if algo == "auto" or algo in _SYMM_ALGOS:
         pool = get_pool(group)
         if algo == "auto":
-            algo = auto_algo(x.numel() * x.element_size(), world)
+            algo = auto_algo(T * H * x.element_size(), world)
         if algo in _SYMM_ALGOS:
-            key, why = _symm_unusable(pool, x, algo)
+            key, why = _symm_unusable(pool, T, H, x.element_size())
             if key:
                 _warn_once(
                     f"{key}:{getattr(group, 'group_name', id(group))}",
@@ -173,39 +258,62 @@ def _forward(
                 )
                 algo = "nccl"
             else:
-                return _kar.allreduce_fused(
-                    x,
-                    residual,
-                    weight,
-                    eps,
+                kernel = _kar.FusedAllreducePlan(
+                    T=T,
+                    H=H,
+                    dtype=x.dtype,
+                    device=x.device,
+                    has_residual=has_residual,
+                    has_norm=weight is not None,
+                    store_rstd=need_rstd,
                     peer_bases=pool.peer_bases,
-                    epochs=pool.epochs,
+                    ctl=pool.epochs,
                     rank=pool.rank,
                     algo=algo,
-                    max_programs=_max_programs(x),
-                    store_rstd=need_rstd,
+                    max_programs=min(device_sms(x), _kar.MAX_BLOCKS),
+                    half_bytes=pool.half_bytes,
                 )
+                return _Plan("symm", group, need_rstd, kernel=kernel)
     if algo == "reference":
-        normed, ro = gather_allreduce_ref(x, residual, weight, eps, group)
-        rstd = _rstd_of(ro, eps) if (need_rstd and weight is not None) else None
-        return normed, ro, rstd
-    # "nccl": torch.distributed.all_reduce (NCCL on GPUs, gloo on CPU) + local fused epilogue
-    summed = x.clone()
-    dist.all_reduce(summed, group=group)
-    if weight is None:
-        if residual is not None:
-            summed.add_(residual)
-        return None, summed, None
-    if use_triton(x):
-        return _krn.add_rmsnorm_fwd(summed, residual, weight, eps, store_rstd=need_rstd)
-    normed, ro, rstd = add_rmsnorm_ref(summed, residual, weight, eps)
-    return normed, ro, rstd
+        return _Plan("reference", group, need_rstd)
+    return _Plan("nccl", group, need_rstd, triton_epilogue=use_triton(x))
 
 
-def _max_programs(x: torch.Tensor) -> int:
-    from moekit.kernels._runtime import device_sms
+def _get_plan(
+    group: object,
+    algo: object,
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    need_rstd: bool,
+) -> _Plan:
+    gen = _sp._generation
+    if gen != _plans_generation[0]:  # a pool was created or replaced: addresses may have moved
+        _plans.clear()
+        _plans_generation[0] = gen
+    T, H = x.shape
+    key = (
+        group, algo, T, H, x.dtype, x.device, residual is not None,
+        None if weight is None else weight.dtype, need_rstd,
+    )  # fmt: skip
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # unhashable group / algo: let _build_plan report it
+        plan = None
+        key = None
+    if plan is None:
+        plan = _build_plan(group, algo, T, H, x, residual is not None, weight, need_rstd)
+        if key is not None:
+            _plans[key] = plan
+    elif not dist.is_initialized():
+        _plans.clear()
+        return _get_plan(group, algo, x, residual, weight, need_rstd)
+    return plan
 
-    return min(device_sms(x), _kar.MAX_BLOCKS)
+
+# ----------------------------------------------------------------------------------------------
+# autograd
+# ----------------------------------------------------------------------------------------------
 
 
 class _AllreduceAddRMSNormFn(torch.autograd.Function):
@@ -213,8 +321,8 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
     (row-parallel semantics), local add + RMSNorm backward."""
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps, group, algo, need_rstd):
-        normed, ro, rstd = _forward(x, residual, weight, eps, group, algo, need_rstd)
+    def forward(ctx, x, residual, weight, eps, plan):
+        normed, ro, rstd = plan.run(x, residual, weight, eps)
         ctx.has_residual = residual is not None
         ctx.has_weight = weight is not None
         if weight is not None:
@@ -226,7 +334,7 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
     def backward(ctx, *grads):
         if not ctx.has_weight:
             (d_ro,) = grads
-            return d_ro, (d_ro if ctx.has_residual else None), None, None, None, None, None
+            return d_ro, (d_ro if ctx.has_residual else None), None, None, None
         d_normed, d_ro = grads
         ro, weight, rstd = ctx.saved_tensors
         if d_normed is None:
@@ -237,7 +345,7 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
             dx, dw = _krn.add_rmsnorm_bwd(d_normed, d_ro, ro, weight, rstd)
         else:
             dx, dw = add_rmsnorm_bwd_ref(d_normed, d_ro, ro, weight, rstd)
-        return dx, (dx if ctx.has_residual else None), dw, None, None, None, None
+        return dx, (dx if ctx.has_residual else None), dw, None, None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,30 +353,39 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_group_and_algo(group: object, algo: object, x: torch.Tensor) -> dist.ProcessGroup:
-    if not isinstance(algo, str) or algo not in ALGOS:
-        raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(
-            "group: torch.distributed is not initialised "
-            "(call moekit.distributed.init_distributed())"
-        )
-    if group is None:
-        group = dist.group.WORLD
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}"
-        )
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        raise ValueError(
-            f"x must be on the current CUDA device cuda:{torch.cuda.current_device()} "
-            f"(the group's device), got {x.device}"
-        )
-    return group
-
-
 def _needs_grad(*ts: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in ts)
+
+
+def _call(
+    x: torch.Tensor,  # [..., H] validated
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    eps: float,
+    group: object,
+    algo: object,
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Run the op; returns ``(normed | None, residual_out)`` in x's shape, or None for a group of
+    one (the caller does the local op)."""
+    shape = x.shape
+    flat = x.dim() != 2
+    if flat:
+        H = shape[-1]
+        x = x.view(-1, H)
+        residual = None if residual is None else residual.view(-1, H)
+    need_grad = _needs_grad(x, residual, weight)
+    plan = _get_plan(group, algo, x, residual, weight, need_grad)
+    if plan.kind == "local":
+        return None
+    if need_grad:
+        out = _AllreduceAddRMSNormFn.apply(x, residual, weight, eps, plan)
+        normed, ro = out if weight is not None else (None, out)
+    else:
+        normed, ro, _ = plan.run(x, residual, weight, eps)
+    if flat:
+        ro = ro.view(shape)
+        normed = None if normed is None else normed.view(shape)
+    return normed, ro
 
 
 def allreduce_add_rmsnorm(
@@ -287,21 +404,10 @@ def allreduce_add_rmsnorm(
     Backward: identity through the all-reduce, local add + RMSNorm backward.
     """
     x, residual, weight = validate_norm_inputs(x, residual, weight, eps, residual_required=True)
-    group = _check_group_and_algo(group, algo, x)
-    if dist.get_world_size(group) == 1:
+    out = _call(x, residual, weight, float(eps), group, algo)
+    if out is None:
         return add_rmsnorm(x, residual, weight, eps)
-    shape = x.shape
-    H = shape[-1]
-    normed, ro = _AllreduceAddRMSNormFn.apply(
-        x.view(-1, H),
-        residual.view(-1, H),
-        weight,
-        float(eps),
-        group,
-        algo,
-        _needs_grad(x, residual, weight),
-    )
-    return normed.view(shape), ro.view(shape)
+    return out
 
 
 def allreduce_add(
@@ -315,15 +421,10 @@ def allreduce_add(
     x, residual, _ = validate_norm_inputs(
         x, residual, None, 0.0, residual_required=True, weight_required=False
     )
-    group = _check_group_and_algo(group, algo, x)
-    if dist.get_world_size(group) == 1:
+    out = _call(x, residual, None, 0.0, group, algo)
+    if out is None:
         return x + residual  # torch rounds the fp32 sum once, like the kernels
-    shape = x.shape
-    H = shape[-1]
-    ro = _AllreduceAddRMSNormFn.apply(
-        x.view(-1, H), residual.view(-1, H), None, 0.0, group, algo, False
-    )
-    return ro.view(shape)
+    return out[1]
 
 
 def allreduce(
@@ -337,10 +438,7 @@ def allreduce(
     Backward is the identity (row-parallel semantics). A group of size 1 returns ``x``.
     """
     x, _, _ = validate_norm_inputs(x, None, None, 0.0, weight_required=False)
-    group = _check_group_and_algo(group, algo, x)
-    if dist.get_world_size(group) == 1:
+    out = _call(x, None, None, 0.0, group, algo)
+    if out is None:
         return x
-    shape = x.shape
-    H = shape[-1]
-    ro = _AllreduceAddRMSNormFn.apply(x.view(-1, H), None, None, 0.0, group, algo, False)
-    return ro.view(shape)
+    return out[1]

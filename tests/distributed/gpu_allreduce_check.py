@@ -104,6 +104,67 @@ def check_repeated_calls(device: torch.device, iters: int = 1000) -> None:
     _log(f"ok  {iters} repeated calls, changing data/shape/algo, no stale reads ({dt:.1f} s)")
 
 
+def check_back_to_back(device: torch.device, calls: int = 240) -> None:
+    """Calls issued back to back with no host sync in between, while one rank at a time is held
+    back on the GPU (``torch.cuda._sleep``): the faster ranks run up to one launch ahead and
+    overwrite the other half of their buffers while the slow one still reads the first. A missing
+    exit barrier done wrong shows up here as a mismatch (or a hang)."""
+    H = 4096
+    Ts = (1, 64, 7, 129, 16, 300)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    inputs, outs = [], []
+    weight = _inputs(1, H, torch.bfloat16, seed=1, device=device)[2]
+    for i in range(calls):
+        T = Ts[i % len(Ts)]
+        x, residual, _ = _inputs(T, H, torch.bfloat16, seed=20_000 + i, device=device)
+        inputs.append((x, residual))
+    torch.cuda.synchronize()
+    dist.barrier()
+    for i, (x, residual) in enumerate(inputs):
+        if (i // 3) % world == rank:
+            torch.cuda._sleep(50_000)  # ≈ 25 µs of GPU time on this rank only
+        algo = ("one_shot", "two_shot", "auto")[i % 3]
+        outs.append(allreduce_add_rmsnorm(x, residual, weight, algo=algo))
+    torch.cuda.synchronize()
+    bad = 0
+    for (x, residual), (n, ro) in zip(inputs, outs):
+        ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+        bad += int((ro != ref_ro).sum())
+        bad += int(((n.float() - ref_n.float()).abs() > 6e-2 + 1.6e-2 * ref_n.float().abs()).sum())
+    assert bad == 0, f"{bad} mismatching elements over {calls} back-to-back calls"
+    _log(f"ok  {calls} back-to-back calls with one rank delayed in turn (double buffering)")
+
+
+def check_cached_plans_and_alignment(device: torch.device) -> None:
+    """Repeated calls reuse one launch plan per shape (the compiled kernel is re-launched
+    directly); an input at a 2-byte offset (same shape, other pointer specialisation) must get its
+    own compiled kernel, not the aligned one."""
+    import importlib
+
+    ops = importlib.import_module("moekit.ops.allreduce")
+    T, H = 24, 4096
+    x, residual, weight = _inputs(T, H, torch.bfloat16, seed=77, device=device)
+    for algo in ("one_shot", "two_shot"):
+        for _ in range(3):
+            allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+    n_plans = len(ops._plans)
+    for algo in ("one_shot", "two_shot"):
+        for rep in range(5):
+            x, residual, _ = _inputs(T, H, torch.bfloat16, seed=78 + rep, device=device)
+            ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+            n, ro = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+            assert torch.equal(ro, ref_ro), f"cached plan {algo} rep {rep}"
+            torch.testing.assert_close(n, ref_n, atol=6e-2, rtol=1.6e-2)
+            big = torch.empty(T * H + 1, dtype=torch.bfloat16, device=device)
+            xm = big[1:].view(T, H)  # contiguous, data_ptr ≡ 2 (mod 16)
+            xm.copy_(x)
+            n2, ro2 = allreduce_add_rmsnorm(xm, residual, weight, algo=algo)
+            assert torch.equal(ro2, ref_ro), f"misaligned x {algo} rep {rep}"
+            torch.testing.assert_close(n2, ref_n, atol=6e-2, rtol=1.6e-2)
+    assert len(ops._plans) == n_plans, f"plans grew {n_plans} → {len(ops._plans)}"
+    _log(f"ok  cached launch plans reused ({n_plans}); misaligned input gets its own kernel")
+
+
 def check_cuda_graph(device: torch.device) -> None:
     T, H = 48, 4096
     x, residual, weight = _inputs(T, H, torch.bfloat16, seed=5, device=device)
@@ -231,6 +292,8 @@ def run_checks(*, iters: int = 1000) -> None:
     check_pool_reuse()
     check_algos_vs_reference(device)
     check_repeated_calls(device, iters)
+    check_back_to_back(device)
+    check_cached_plans_and_alignment(device)
     check_cuda_graph(device)
     check_backward(device)
     check_bad_input(device)

@@ -85,6 +85,17 @@ def _worker_paths(rank: int, store: str) -> None:
             assert torch.equal(a, ro)
             s_n = allreduce(x, algo="nccl")
             torch.testing.assert_close(s_n.float(), s.float(), atol=tol * 8, rtol=tol)
+        # repeated calls reuse their launch plans (one per shape / dtype / algo / group)
+        import importlib
+
+        ops = importlib.import_module("moekit.ops.allreduce")
+        shards, residual, weight = _shards(4, 16, torch.float32, seed=5)
+        for _ in range(2):
+            for algo in ("reference", "nccl", "auto"):
+                allreduce_add_rmsnorm(shards[rank], residual, weight, algo=algo)
+            n_plans = len(ops._plans)
+        ops.set_auto_thresholds(None, None)  # drops the plans
+        assert n_plans >= 3 and len(ops._plans) == 0
         # explicit symmetric algo on CPU: one-time warning, NCCL path
         shards, residual, weight = _shards(3, 16, torch.float32, seed=7)
         with warnings.catch_warnings(record=True) as rec:
@@ -202,6 +213,20 @@ def test_bad_input_and_group_of_one():
     _spawn(_worker_errors)
 
 
+def test_auto_algo_defaults(monkeypatch):
+    from moekit.ops.allreduce import auto_algo
+
+    monkeypatch.delenv("MOEKIT_AR_ONE_SHOT_MAX_KB", raising=False)
+    monkeypatch.delenv("MOEKIT_AR_TWO_SHOT_MAX_KB", raising=False)
+    # measured on H200: W=2 one_shot at every size, W=4 one_shot up to 1 MiB then two_shot
+    assert auto_algo(1 << 30, 2) == "one_shot"
+    assert auto_algo(917_504, 4) == "one_shot" and auto_algo(2_097_152, 4) == "two_shot"
+    assert auto_algo(1 << 30, 4) == "two_shot"  # NCCL only when a two_shot max is set
+    assert auto_algo(8192, 8) == "one_shot" and auto_algo(1 << 20, 8) == "two_shot"
+    monkeypatch.setenv("MOEKIT_AR_TWO_SHOT_MAX_KB", "1024")
+    assert auto_algo(2 << 20, 4) == "nccl"
+
+
 # ----------------------------------------------------------------------------------------------
 # the symmetric-memory kernels in Triton's interpreter, two processes sharing buffers
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +237,8 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
 
     bufs = [torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8) for p in paths]
     peer_bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
-    epochs = torch.zeros(kar.MAX_BLOCKS, dtype=torch.int32)
+    ctl = torch.zeros(kar.CTL_WORDS, dtype=torch.int32)
+    half = kar.half_bytes(nbytes - kar.DATA_OFFSET)
     cases = [
         # (T, H, algo, dtype, max_programs): T=1 leaves ranks without rows in two_shot; T not a
         # multiple of W or of the grid; grids change between calls (epochs must stay in step)
@@ -230,8 +256,8 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             res = residual if mode != "plain" else None
             w = weight if mode == "norm" else None
             y, ro, rstd = kar.allreduce_fused(
-                shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=epochs, rank=rank,
-                algo=algo, max_programs=progs, store_rstd=True,
+                shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=ctl, rank=rank,
+                algo=algo, max_programs=progs, half_bytes=half, store_rstd=True,
             )  # fmt: skip
             ref_y, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, res, w, 1e-6)
             # fp32: exact (same order of fp32 additions); bf16/fp16: the interpreter truncates
@@ -244,7 +270,7 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             results[f"{i}-{mode}-ro"] = ro
             if y is not None:
                 results[f"{i}-{mode}-y"] = y
-    results["epochs"] = epochs.clone()
+    results["epochs"] = ctl.clone()
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -267,7 +293,8 @@ def test_symmetric_kernels_in_interpreter(interpret):
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
         for key in outs[0]:
             assert torch.equal(outs[0][key], outs[1][key]), f"ranks differ on {key}"
-        assert int(outs[0]["epochs"][0]) == 18  # 6 cases × 3 modes, program 0 in every launch
+        # one launch epoch per launch (6 cases × 3 modes); the arrival counter is back at 0
+        assert outs[0]["epochs"].tolist() == [18, 0]
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
