@@ -13,14 +13,21 @@
    rows, write T·H; backward likewise, plus the prob-gradient's extra read of T·k·H; plus the
    metadata), and "%copy" compares with step 2.
 
-Timing: every measurement is a CUDA graph of many calls (so Python launch overhead is not timed),
+Timing: every measurement is a CUDA graph of calls (so Python launch overhead is not timed),
 cycling through enough copies of the inputs to exceed L2; the median over replays is reported.
-Writes permute_bench.json and permute_bench.png under --out.
+Backward = (forward + backward) − forward, both captured whole: the forward runs inside the
+capture, so autograd's backward runs on the capturing stream (capturing ``autograd.grad`` of a
+forward recorded outside the graph is what CUDA forbids). A cell whose capture fails is timed
+eagerly (marked ``*``); a cell that fails outright is reported and skipped, never the whole table.
+The metadata is also timed launch by launch (hist, scan, rows).
+Writes permute_bench.json and permute_bench.png under --out; ``--budget-s`` bounds the grid's
+wall time (configs past it are listed as skipped).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -34,7 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from moekit.kernels.permute import routing_metadata
+from moekit.kernels.permute import routing_metadata, routing_metadata_launches
 from moekit.ops.permute import permute, unpermute
 from moekit.reference import permute as ref
 
@@ -47,14 +54,22 @@ L2_BYTES = 50 * 2**20  # H100 L2; inputs are rotated until a round of calls touc
 # ------------------------------------------------------------------------------------------------
 
 
-def bench_us(fns: list, rep_ms: float) -> float:
-    """Median time per call (µs) of a CUDA graph cycling through ``fns``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in fns:  # compile kernels and warm allocators outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
+
+
+def _graph_us(fns: list, rep_ms: float, max_calls: int) -> float:
+    """Median µs per call of a CUDA graph cycling through ``fns``."""
+    # Warm up on a side stream (compiles kernels, primes autograd and the caching allocator), as
+    # torch.cuda.graph's documentation asks, then capture on the graph's own stream.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(1 if len(fns) > 1 else 2):
+            for fn in fns:
+                fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
 
     def graph_of(n):
@@ -64,25 +79,61 @@ def bench_us(fns: list, rep_ms: float) -> float:
                 fns[i % len(fns)]()
         return g
 
-    def replay_ms(g):
+    def replays_ms(g, reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        g.replay()
+        for _ in range(reps):
+            g.replay()
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end) / reps
 
     g = graph_of(len(fns))
     g.replay()
-    est = min(replay_ms(g) for _ in range(3)) / len(fns)
+    est = min(replays_ms(g, 1) for _ in range(3)) / len(fns)  # ms per call
     del g
-    n = max(len(fns), min(2000, int(rep_ms / max(est, 1e-3))))
+    n = max(len(fns), min(max_calls, int(rep_ms / max(est, 1e-3))))
     n = -(-n // len(fns)) * len(fns)
     g = graph_of(n)
     g.replay()
-    times = [replay_ms(g) / n for _ in range(5)]
+    reps = max(1, math.ceil(rep_ms / max(est * n, 1e-3)))  # short graphs: several per timing
+    times = [replays_ms(g, reps) / n for _ in range(5)]
     del g
     return statistics.median(times) * 1e3
+
+
+def _eager_us(fns: list, rep_ms: float) -> float:
+    """Median µs per call, launched eagerly (includes Python launch overhead)."""
+    for fn in fns:
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for fn in fns:
+        fn()
+    end.record()
+    end.synchronize()
+    est = start.elapsed_time(end) / len(fns)
+    n = max(len(fns), min(200, int(rep_ms / max(est, 1e-3))))
+    times = []
+    for _ in range(5):
+        start.record()
+        for i in range(n):
+            fns[i % len(fns)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n)
+    return statistics.median(times) * 1e3
+
+
+def bench_us(fns: list, rep_ms: float, max_calls: int = 64) -> tuple[float, bool]:
+    """(µs per call, graphed). A CUDA graph when it captures; eager event timing when not."""
+    try:
+        return _graph_us(fns, rep_ms, max_calls), True
+    except Exception as exc:  # fall back per cell, keep the rest of the run
+        print(f"    graph capture failed ({_first_line(exc)}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return _eager_us(fns, rep_ms), False
 
 
 def copy_bandwidth(rep_ms: float) -> float:
@@ -90,7 +141,7 @@ def copy_bandwidth(rep_ms: float) -> float:
     n = 2**30 // 2
     src = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    us = bench_us([lambda: dst.copy_(src)], rep_ms)
+    us, _ = bench_us([lambda: dst.copy_(src)], rep_ms)
     return 2 * 2**30 / (us * 1e-6) / 1e9
 
 
@@ -196,8 +247,13 @@ def routing(T, E, k):
     return idx, probs / probs.sum(-1, keepdim=True)
 
 
+def _leaf(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().requires_grad_(True)
+
+
 def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
-    """µs of every (op, pass, impl) for one shape, plus the bytes each pass must move."""
+    """µs of every (op, pass, impl) for one shape, the bytes each pass must move, R, and the
+    errors of the cells that failed (their µs are missing)."""
     b = torch.empty((), dtype=dtype).element_size()
     tk = T * k
     R = tk + (min(E, tk) * (align - 1) if align else 0)
@@ -214,40 +270,79 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
         ("unpermute", "fwd"): (tk + T) * H * b + meta,
         ("unpermute", "bwd"): (T + tk + R) * H * b + meta,
     }
-    res = {}
+    res, graphed, errors = {}, {}, {}
+
+    def cell(key, fns):
+        try:
+            res[key], graphed[key] = bench_us(fns, rep_ms)
+        except Exception as exc:  # one failing cell must not lose the table
+            errors[key] = _first_line(exc)
+            print(f"    FAIL {key}: {errors[key]}", flush=True)
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+
+    def bwd_of(op, label):
+        both, fwd = res.get((op, "fwdbwd", label)), res.get((op, "fwd", label))
+        if both is not None and fwd is not None:
+            res[(op, "bwd", label)] = max(both - fwd, 1e-3)
+            graphed[(op, "bwd", label)] = (
+                graphed[(op, "fwd", label)] and graphed[(op, "fwdbwd", label)]
+            )
 
     def run(label, make_permute, make_unpermute):
-        """make_permute(set) -> (state, fwd outputs); make_unpermute(state) -> y."""
-        fwd_p = [lambda s=s: make_permute(s) for s in sets]
-        res[("permute", "fwd", label)] = bench_us(fwd_p, rep_ms)
-        states = [make_permute(s) for s in sets]
+        """make_permute(set) -> state dict with "rows" [R, H] and "probs" [R];
+        make_unpermute(state, expert_out) -> y [T, H]. Backward = (fwd + bwd) − fwd."""
+        cell(("permute", "fwd", label), [lambda s=s: make_permute(s) for s in sets])
+        try:
+            states = [make_permute(s) for s in sets]
+        except Exception as exc:
+            errors[("permute", "state", label)] = _first_line(exc)
+            print(f"    FAIL {label} permute: {_first_line(exc)}", flush=True)
+            return
         grads = [(torch.randn_like(st["rows"]), torch.randn_like(st["probs"])) for st in states]
-        bwd_p = [
-            lambda s=s, st=st, g=g: torch.autograd.grad(
-                (st["rows"], st["probs"]), (s[2], s[1]), g, retain_graph=True
-            )
-            for s, st, g in zip(sets, states, grads)
-        ]
-        res[("permute", "bwd", label)] = bench_us(bwd_p, rep_ms)
-        del bwd_p, grads
-        eouts = [torch.randn_like(st["rows"]).requires_grad_(True) for st in states]
-        fwd_u = [lambda st=st, eo=eo: make_unpermute(st, eo) for st, eo in zip(states, eouts)]
-        res[("unpermute", "fwd", label)] = bench_us(fwd_u, rep_ms)
-        ys = [make_unpermute(st, eo) for st, eo in zip(states, eouts)]
-        gys = [torch.randn_like(y) for y in ys]
-        bwd_u = [
-            lambda st=st, eo=eo, y=y, gy=gy: torch.autograd.grad(
-                y, (eo, st["probs"]), gy, retain_graph=True
-            )
-            for st, eo, y, gy in zip(states, eouts, ys, gys)
-        ]
-        res[("unpermute", "bwd", label)] = bench_us(bwd_u, rep_ms)
+
+        def p_fwdbwd(s, g):
+            st = make_permute(s)
+            return torch.autograd.grad((st["rows"], st["probs"]), (s[2], s[1]), g)
+
+        cell(
+            ("permute", "fwdbwd", label),
+            [lambda s=s, g=g: p_fwdbwd(s, g) for s, g in zip(sets, grads)],
+        )
+        bwd_of("permute", label)
+        del grads
+        # Unpermute on detached permute outputs: expert_out and the row probs are the leaves.
+        states = [{**st, "probs": _leaf(st["probs"])} for st in states]
+        eouts = [_leaf(torch.randn_like(st["rows"])) for st in states]
+        for st in states:
+            del st["rows"]  # only the leaves above are needed from here on
+        cell(
+            ("unpermute", "fwd", label),
+            [lambda st=st, eo=eo: make_unpermute(st, eo) for st, eo in zip(states, eouts)],
+        )
+        gys = [torch.randn(T, H, device=DEVICE, dtype=dtype) for _ in states]
+
+        def u_fwdbwd(st, eo, gy):
+            y = make_unpermute(st, eo)
+            return torch.autograd.grad(y, (eo, st["probs"]), gy)
+
+        cell(
+            ("unpermute", "fwdbwd", label),
+            [
+                lambda st=st, eo=eo, gy=gy: u_fwdbwd(st, eo, gy)
+                for st, eo, gy in zip(states, eouts, gys)
+            ],
+        )
+        bwd_of("unpermute", label)
 
     def ours_p(s, a=align):
         d = permute(s[2], s[0], s[1], num_experts=E, align=a)
         return {"rows": d.hidden, "probs": d.probs, "d": d}
 
-    run("ours", ours_p, lambda st, eo: unpermute(eo, st["d"]))
+    def ours_u(st, eo):
+        return unpermute(eo, dataclasses.replace(st["d"], probs=st["probs"]))
+
+    run("ours", ours_p, ours_u)
 
     def torch_p(s):
         rows, rp, order, dst = torch_permute(s[2], s[0], s[1], E, align, R)
@@ -267,14 +362,58 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
             return {"rows": rows, "probs": probs, "d": d, "dst": dst}
 
         def sep_u(st, eo):
-            d = st["d"]
             packed = eo.index_select(0, st["dst"])
             # Unpad the probs too, so their gradient also crosses the separate pass.
-            d2 = dataclasses.replace(d, probs=st["probs"].index_select(0, st["dst"]))
+            d2 = dataclasses.replace(st["d"], probs=st["probs"].index_select(0, st["dst"]))
             return unpermute(packed, d2)
 
         run("sep-pad", sep_p, sep_u)
-    return res, bytes_, R
+    return res, graphed, bytes_, R, errors
+
+
+def time_metadata(rep_ms: float, T=65536, E=256, k=8) -> dict:
+    """µs of the whole metadata (align 1 and 128) and of each of its launches (align 128)."""
+    out = {}
+    idx, _ = routing(T, E, k)
+    for a in (1, 128):
+        try:
+            out[f"all_align{a}"], _ = bench_us(
+                [lambda a=a: routing_metadata(idx, E, a)], rep_ms, max_calls=256
+            )
+        except Exception as exc:
+            print(f"  metadata align={a} FAILED: {_first_line(exc)}", flush=True)
+    try:
+        _, launches = routing_metadata_launches(idx, E, 128)
+        for _name, launch in launches:  # in order: each reads what the previous one wrote
+            launch()
+        for name, launch in launches:
+            out[name], _ = bench_us([launch], rep_ms, max_calls=256)
+    except Exception as exc:
+        print(f"  metadata launches FAILED: {_first_line(exc)}", flush=True)
+    return out
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def print_table(rows):
+    print(
+        f"{'T':>6} {'H':>5} {'E':>4} {'k':>2} {'align':>5} {'op':>9} {'pass':>4} "
+        f"{'ours µs':>9} {'GB/s':>6} {'%copy':>6} {'torch µs':>9} {'×torch':>7} "
+        f"{'sep-pad µs':>10} {'pad ovh%':>8}"
+    )
+    for r in rows:
+        mark = "" if r["graphed"] else "*"
+        print(
+            f"{r['T']:>6} {r['H']:>5} {r['E']:>4} {r['k']:>2} {r['align'] or '-':>5} "
+            f"{r['op']:>9} {r['pass']:>4} {_fmt(r['ours_us'], '.1f') + mark:>9} "
+            f"{_fmt(r['gbs'], '.0f'):>6} {_fmt(r['pct_copy'], '.0f'):>5}% "
+            f"{_fmt(r['torch_us'], '.1f'):>9} {_fmt(r['speedup'], '.1f'):>6}× "
+            f"{_fmt(r['sep_pad_us'], '.1f'):>10} {_fmt(r['pad_overhead_pct'], '+.1f'):>8}"
+        )
+    if any(not r["graphed"] for r in rows):
+        print("  * timed eagerly (graph capture failed): includes launch overhead")
 
 
 def main() -> int:
@@ -283,32 +422,41 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="a reduced grid (a few shapes)")
     ap.add_argument("--rep-ms", type=float, default=5.0, help="GPU time per measurement")
     ap.add_argument("--skip-check", action="store_true", help="skip the correctness pass")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="wall-time budget (default 80 quick, 220 full)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    budget = args.budget_s or (80.0 if args.quick else 220.0)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     t_start = time.time()
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
 
     failures = []
     if not args.skip_check:
-        print("correctness (bf16 vs reference):")
+        print("correctness (bf16 vs reference):", flush=True)
         failures = check_correctness()
 
-    copy_gbs = copy_bandwidth(args.rep_ms)
-    print(f"copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB device-to-device, read + write)")
+    copy_gbs = None
+    try:
+        copy_gbs = copy_bandwidth(args.rep_ms)
+        print(f"copy bandwidth: {copy_gbs:.0f} GB/s (1 GiB device-to-device, read + write)")
+    except Exception as exc:
+        print(f"copy bandwidth FAILED: {_first_line(exc)}")
+    torch.cuda.empty_cache()
 
-    idx, _ = routing(65536, 256, 8)
-    meta_us = {
-        a: bench_us([lambda a=a: routing_metadata(idx, 256, a)], args.rep_ms) for a in (1, 128)
-    }
-    print(
-        f"metadata T=65536 E=256 k=8: {meta_us[1]:.1f} µs (align 128: {meta_us[128]:.1f} µs), "
-        "target ≤ 30 µs"
+    meta_us = time_metadata(args.rep_ms)
+    meta_line = (
+        f"metadata T=65536 E=256 k=8: {_fmt(meta_us.get('all_align1'), '.1f')} µs "
+        f"(align 128: {_fmt(meta_us.get('all_align128'), '.1f')} µs; launches alone: "
+        + ", ".join(f"{n} {_fmt(meta_us.get(n), '.1f')}" for n in ("hist", "scan", "rows"))
+        + " µs), target ≤ 30 µs"
     )
+    print(meta_line, flush=True)
 
     if args.quick:
         grid = list(itertools.product([16384], [4096], [(8, 2), (256, 8)], [None, 128]))
@@ -321,67 +469,83 @@ def main() -> int:
                 [None, 16, 128],
             )
         )
-    rows = []
-    header = (
-        f"{'T':>6} {'H':>5} {'E':>4} {'k':>2} {'align':>5} {'op':>9} {'pass':>4} "
-        f"{'ours µs':>9} {'GB/s':>6} {'%copy':>6} {'torch µs':>9} {'×torch':>7} "
-        f"{'sep-pad µs':>10} {'pad ovh%':>8}"
-    )
-    print(header)
+    rows, cell_errors, skipped = [], {}, []
     no_align = {}
-    for T, H, (E, k), align in grid:
-        res, bytes_, R = measure_config(T, H, E, k, align, args.rep_ms)
+    for i, (T, H, (E, k), align) in enumerate(grid):
+        name = f"T={T} H={H} E={E} k={k} align={align}"
+        if time.time() - t_start > budget:
+            skipped.append(name)
+            continue
+        t0 = time.time()
+        try:
+            res, graphed, bytes_, R, errors = measure_config(T, H, E, k, align, args.rep_ms)
+        except Exception as exc:  # e.g. out of memory while building the inputs
+            cell_errors[name] = {"config": _first_line(exc)}
+            print(f"  [{i + 1}/{len(grid)}] {name}: FAILED {_first_line(exc)}", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        if errors:
+            cell_errors[name] = {"/".join(key): msg for key, msg in errors.items()}
         for op, ps in itertools.product(("permute", "unpermute"), ("fwd", "bwd")):
-            ours = res[(op, ps, "ours")]
-            base = res[(op, ps, "torch")]
+            ours = res.get((op, ps, "ours"))
+            base = res.get((op, ps, "torch"))
             sep = res.get((op, ps, "sep-pad"))
-            gbs = bytes_[(op, ps)] / (ours * 1e-6) / 1e9
+            gbs = bytes_[(op, ps)] / (ours * 1e-6) / 1e9 if ours else None
             key = (T, H, E, k, op, ps)
-            if align is None:
+            if align is None and ours is not None:
                 no_align[key] = ours
-            ovh = (ours / no_align[key] - 1) * 100 if align and key in no_align else None
-            row = {
-                "T": T,
-                "H": H,
-                "E": E,
-                "k": k,
-                "align": align,
-                "R": R,
-                "op": op,
-                "pass": ps,
-                "ours_us": ours,
-                "gbs": gbs,
-                "pct_copy": 100 * gbs / copy_gbs,
-                "torch_us": base,
-                "speedup": base / ours,
-                "sep_pad_us": sep,
-                "pad_overhead_pct": ovh,
-                "bytes": bytes_[(op, ps)],
-            }
-            rows.append(row)
-            print(
-                f"{T:>6} {H:>5} {E:>4} {k:>2} {align or '-':>5} {op:>9} {ps:>4} "
-                f"{ours:>9.1f} {gbs:>6.0f} {row['pct_copy']:>5.0f}% {base:>9.1f} "
-                f"{base / ours:>6.1f}× {'' if sep is None else f'{sep:.1f}':>10} "
-                f"{'' if ovh is None else f'{ovh:+.1f}':>8}",
-                flush=True,
+            ovh = (
+                (ours / no_align[key] - 1) * 100
+                if align and ours is not None and key in no_align
+                else None
             )
+            rows.append(
+                {
+                    "T": T,
+                    "H": H,
+                    "E": E,
+                    "k": k,
+                    "align": align,
+                    "R": R,
+                    "op": op,
+                    "pass": ps,
+                    "ours_us": ours,
+                    "graphed": graphed.get((op, ps, "ours"), True),
+                    "gbs": gbs,
+                    "pct_copy": 100 * gbs / copy_gbs if gbs and copy_gbs else None,
+                    "torch_us": base,
+                    "speedup": base / ours if base and ours else None,
+                    "sep_pad_us": sep,
+                    "pad_overhead_pct": ovh,
+                    "bytes": bytes_[(op, ps)],
+                }
+            )
+        print(f"  [{i + 1}/{len(grid)}] {name}: {time.time() - t0:.1f} s", flush=True)
+        del res
         torch.cuda.empty_cache()
+
+    def vals(key, sel=rows):
+        return [r[key] for r in sel if r[key] is not None]
 
     big = [r for r in rows if r["T"] * r["k"] >= 32768 and r["H"] >= 2048]
     summary = {
         "copy_gbs": copy_gbs,
-        "metadata_us": meta_us[1],
-        "metadata_align128_us": meta_us[128],
-        "min_pct_copy_big": min((r["pct_copy"] for r in big), default=None),
-        "min_speedup": min(r["speedup"] for r in rows),
-        "max_pad_overhead_pct": max(
-            (r["pad_overhead_pct"] for r in rows if r["pad_overhead_pct"] is not None),
-            default=None,
-        ),
+        "metadata_us": meta_us.get("all_align1"),
+        "metadata_align128_us": meta_us.get("all_align128"),
+        "metadata_launch_us": {n: meta_us.get(n) for n in ("hist", "scan", "rows")},
+        "min_pct_copy_big": min(vals("pct_copy", big), default=None),
+        "min_speedup": min(vals("speedup"), default=None),
+        "max_pad_overhead_pct": max(vals("pad_overhead_pct"), default=None),
         "correctness_failures": failures,
+        "failed_cells": cell_errors,
+        "skipped_configs": skipped,
         "seconds": time.time() - t_start,
     }
+    print()
+    print_table(rows)
+    print(meta_line)
+    if skipped:
+        print(f"skipped {len(skipped)} configs past the {budget:.0f} s budget (--budget-s)")
     print("\nsummary (targets: ≥80% copy BW where T·k ≥ 32K and H ≥ 2048; ≥3× torch;")
     print("         padding ≤ 5% over no padding; metadata ≤ 30 µs)")
     for key, val in summary.items():
@@ -391,9 +555,16 @@ def main() -> int:
             {"device": torch.cuda.get_device_name(), "summary": summary, "rows": rows}, indent=1
         )
     )
-    plot(rows, copy_gbs, out_dir / "permute_bench.png")
-    print(f"wrote {out_dir / 'permute_bench.json'} and {out_dir / 'permute_bench.png'}")
-    return 1 if failures else 0
+    try:
+        plot(
+            [r for r in rows if r["pct_copy"] and r["speedup"]],
+            copy_gbs,
+            out_dir / "permute_bench.png",
+        )
+        print(f"wrote {out_dir / 'permute_bench.json'} and {out_dir / 'permute_bench.png'}")
+    except Exception as exc:
+        print(f"wrote {out_dir / 'permute_bench.json'}; plot FAILED: {_first_line(exc)}")
+    return 1 if failures or cell_errors else 0
 
 
 def plot(rows, copy_gbs, path):

@@ -2,19 +2,23 @@
 
 Dimension letters: T tokens, k experts per token, E experts, R permuted rows, H hidden.
 
-Routing metadata is a stable counting sort of the T·k (token, slot) pairs by expert, done in three
-launches and no host sync:
+Routing metadata is a stable counting sort of the N = T·k (token, slot) pairs by expert, done in
+three launches and no host sync. Blocks of ``BLOCK_N`` pairs (256 to 1024, so that there are about
+512 blocks), B blocks:
 
-1. ``_routing_hist_kernel``   per block of ``BLOCK_N`` pairs, the histogram over experts
-                              → ``block_counts[E, B]``.
-2. ``_routing_scan_kernel``   per expert, the exclusive prefix over blocks
-                              → ``block_offsets[E, B]`` and ``tokens_per_expert[E]``.
-3. ``_routing_rows_kernel``   per block, each pair's destination row ``start[e] +
-                              block_offsets[e, b] + rank among earlier pairs of e in b``,
-                              with ``start`` the padded exclusive prefix over experts (every program
-                              recomputes it: ``E`` is small); program 0 also writes ``counts`` and
-                              ``offsets``.
+1. ``_routing_hist_kernel``   per block, the histogram over experts → ``block_counts[B, E]``.
+2. ``_routing_scan_kernel``   per group of 8 experts, the exclusive prefix over blocks
+                              → ``block_offsets[B, E]`` and ``tokens_per_expert[E]``.
+3. ``_routing_rows_kernel``   per block, a bitonic ``tl.sort`` of the keys ``(e << log2 BLOCK_N)
+                              | n`` (stable: the key carries the position), then the pair at sorted
+                              position j goes to ``start[e] + block_offsets[b, e] + j − first[e]``
+                              (``first`` = exclusive prefix of the block's histogram, ``start`` =
+                              padded exclusive prefix over experts, recomputed by every program:
+                              ``E`` is small); program 0 also writes ``counts`` and ``offsets``.
 
+The rank needs O(log² BLOCK_N) compare-exchanges per pair (about 330 instructions a pair on sm_90),
+not the O(SUB) of a pairwise ``[SUB, SUB]`` comparison. Pair indices are int32 (N < 2^31: the row
+map is int32); ``[B, E]`` offsets are int64.
 Ranks follow the flat (token-major) order, so the tokens of one expert keep their original order.
 A pair whose expert is outside ``[0, E)`` (a masked slot, −1) gets row −1 and is skipped by the
 copy kernels: an out-of-range index is never turned into an out-of-bounds write.
@@ -37,13 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
-# Pairs per metadata block and per rank sub-chunk. A pair's rank inside a sub-chunk comes from an
-# [SUB, SUB] comparison, and the running per-expert count carries it across sub-chunks.
-_META_BLOCK_N = 512
-_META_SUB = 128
-# Experts and blocks per program of the scan.
+# Experts per program of the scan, and blocks per step of its loop (one step up to 512 blocks).
 _SCAN_BLOCK_E = 8
-_SCAN_BLOCK_B = 256
+_SCAN_BLOCK_B = 512
 # Rows per zero-fill program of the tail, and rows per inner step.
 _TAIL_ROWS = 512
 # Elements per [k, BLOCK_H] tile of the copy kernels.
@@ -59,30 +59,32 @@ _TILE_ELEMS = 8192
 def _routing_hist_kernel(
     # pointers
     idx_ptr,  # [N] expert of each (token, slot) pair, N = T·k; outside [0, E) = dropped
-    block_counts_ptr,  # [E, B] int32 out
+    block_counts_ptr,  # [B, E] int32 out
     # sizes
     N,
     E,
-    num_blocks,
     # meta
     BLOCK_N: tl.constexpr,
     E_PAD: tl.constexpr,
 ):
-    """block_counts[e, b] = #{n in block b : idx[n] == e}."""
+    """block_counts[b, e] = #{n in block b : idx[n] == e}."""
     b = tl.program_id(0)
-    offs = b.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    e = tl.load(idx_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
-    valid = (e >= 0) & (e < E)
-    hist = tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
+    offs = b * BLOCK_N + tl.arange(0, BLOCK_N)  # int32: N = T·k < 2^31 (row_index is int32)
+    # Widen before comparing: uint8 / int16 ids against E ≥ 256 must not wrap, int64 ids past
+    # 2^31 must not alias a valid expert. (``other`` of a uint8 load is 255, hence ``offs < N``.)
+    in_range = offs < N
+    e = tl.load(idx_ptr + offs, mask=in_range, other=0).to(tl.int64)
+    valid = in_range & (e >= 0) & (e < E)
+    hist = tl.histogram(tl.where(valid, e, 0).to(tl.int32), E_PAD, mask=valid)
     ex = tl.arange(0, E_PAD)
-    tl.store(block_counts_ptr + ex.to(tl.int64) * num_blocks + b, hist, mask=ex < E)
+    tl.store(block_counts_ptr + b.to(tl.int64) * E + ex, hist, mask=ex < E)
 
 
 @triton.jit
 def _routing_scan_kernel(
     # pointers
-    block_counts_ptr,  # [E, B] int32
-    block_offsets_ptr,  # [E, B] int32 out: exclusive prefix over b
+    block_counts_ptr,  # [B, E] int32
+    block_offsets_ptr,  # [B, E] int32 out: exclusive prefix over b
     tokens_per_expert_ptr,  # [E] int32 out: total over b
     # sizes
     E,
@@ -91,19 +93,19 @@ def _routing_scan_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_B: tl.constexpr,
 ):
-    """block_offsets[e, b] = Σ_{b' < b} block_counts[e, b'];  tokens_per_expert[e] = Σ_b …"""
+    """block_offsets[b, e] = Σ_{b' < b} block_counts[b', e];  tokens_per_expert[e] = Σ_b …"""
     pid = tl.program_id(0)
     ex = pid * BLOCK_E + tl.arange(0, BLOCK_E)
     e_mask = ex < E
     running = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for b0 in range(0, num_blocks, BLOCK_B):
         bx = b0 + tl.arange(0, BLOCK_B)
-        mask = e_mask[:, None] & (bx < num_blocks)[None, :]
-        ptrs = ex[:, None].to(tl.int64) * num_blocks + bx[None, :]
+        mask = (bx < num_blocks)[:, None] & e_mask[None, :]
+        ptrs = bx[:, None].to(tl.int64) * E + ex[None, :]
         c = tl.load(block_counts_ptr + ptrs, mask=mask, other=0)
-        incl = tl.cumsum(c, axis=1)
-        tl.store(block_offsets_ptr + ptrs, incl - c + running[:, None], mask=mask)
-        running += tl.sum(c, axis=1)
+        incl = tl.cumsum(c, axis=0)
+        tl.store(block_offsets_ptr + ptrs, incl - c + running[None, :], mask=mask)
+        running += tl.sum(c, axis=0)
     tl.store(tokens_per_expert_ptr + ex, running, mask=e_mask)
 
 
@@ -111,7 +113,8 @@ def _routing_scan_kernel(
 def _routing_rows_kernel(
     # pointers
     idx_ptr,  # [N] expert of each pair
-    block_offsets_ptr,  # [E, B] int32
+    block_counts_ptr,  # [B, E] int32
+    block_offsets_ptr,  # [B, E] int32
     tokens_per_expert_ptr,  # [E] int32
     row_index_ptr,  # [N] int32 out: destination row, −1 when dropped
     counts_ptr,  # [E] int32 out: rows per expert, padded to ALIGN
@@ -119,39 +122,120 @@ def _routing_rows_kernel(
     # sizes
     N,
     E,
-    num_blocks,
     # meta
     ALIGN: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    SUB: tl.constexpr,
+    POS_BITS: tl.constexpr,  # log2(BLOCK_N)
     E_PAD: tl.constexpr,
 ):
-    """row[n] = start[e] + block_offsets[e, b] + #{n' in b, n' < n : idx[n'] == e},  e = idx[n],
-    start[e] = Σ_{e' < e} ceil(tokens_per_expert[e'] / ALIGN)·ALIGN."""
+    """Sort the block's keys ``(e << POS_BITS) | n`` (dropped pairs get e = E, so they sort
+    last); the pair at sorted position j goes to
+        row = start[e] + block_offsets[b, e] + (j − first[e]),
+    with first[e] = Σ_{e' < e} block_counts[b, e'] (where e's run starts in the sorted block)
+    and start[e] = Σ_{e' < e} ceil(tokens_per_expert[e'] / ALIGN)·ALIGN.
+    The sort key carries n, so ties keep token order: the sort is stable."""
     b = tl.program_id(0)
     ex = tl.arange(0, E_PAD)
-    tpe = tl.load(tokens_per_expert_ptr + ex, mask=ex < E, other=0)
+    e_mask = ex < E
+    tpe = tl.load(tokens_per_expert_ptr + ex, mask=e_mask, other=0)
     padded = (tpe + (ALIGN - 1)) // ALIGN * ALIGN
     ends = tl.cumsum(padded, axis=0)
     if b == 0:
-        tl.store(counts_ptr + ex, padded, mask=ex < E)
-        tl.store(offsets_ptr + ex, ends, mask=ex < E)
-    blk = tl.load(block_offsets_ptr + ex.to(tl.int64) * num_blocks + b, mask=ex < E, other=0)
-    # Next free row of each expert for this block; advanced after every sub-chunk.
-    base = ends - padded + blk
+        tl.store(counts_ptr + ex, padded, mask=e_mask)
+        tl.store(offsets_ptr + ex, ends, mask=e_mask)
+    row0 = b.to(tl.int64) * E
+    cnt = tl.load(block_counts_ptr + row0 + ex, mask=e_mask, other=0)
+    pre = tl.load(block_offsets_ptr + row0 + ex, mask=e_mask, other=0)
+    # row of sorted position j = base[e] + j
+    base = (ends - padded) + pre - (tl.cumsum(cnt, axis=0) - cnt)
 
-    ii = tl.arange(0, SUB)
-    earlier = ii[None, :] < ii[:, None]  # [SUB, SUB]: column j precedes row i
-    for j in range(0, BLOCK_N, SUB):
-        offs = b.to(tl.int64) * BLOCK_N + j + ii
-        e = tl.load(idx_ptr + offs, mask=offs < N, other=-1).to(tl.int32)
-        valid = (e >= 0) & (e < E)
-        e_safe = tl.where(valid, e, 0)
-        same = (e[:, None] == e[None, :]) & earlier & valid[None, :]
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        row = tl.gather(base, e_safe, 0) + rank
-        tl.store(row_index_ptr + offs, tl.where(valid, row, -1), mask=offs < N)
-        base += tl.histogram(e_safe, E_PAD, mask=valid)
+    jj = tl.arange(0, BLOCK_N)
+    offs = b * BLOCK_N + jj  # int32: N < 2^31
+    in_range = offs < N
+    e = tl.load(idx_ptr + offs, mask=in_range, other=0).to(tl.int64)  # widened: see hist
+    valid = in_range & (e >= 0) & (e < E)
+    key = tl.where(valid, e, E).to(tl.uint32)
+    kv = tl.sort((key << POS_BITS) | jj.to(tl.uint32), 0)
+    e_sorted = (kv >> POS_BITS).to(tl.int32)
+    n_sorted = b * BLOCK_N + (kv & (BLOCK_N - 1)).to(tl.int32)
+    row = tl.gather(base, tl.minimum(e_sorted, E_PAD - 1), 0) + jj
+    tl.store(row_index_ptr + n_sorted, tl.where(e_sorted < E, row, -1), mask=n_sorted < N)
+
+
+def _meta_block(n: int) -> int:
+    """Pairs per metadata block: enough blocks to fill the GPU (~512), 256 to 1024 pairs each."""
+    return min(max(triton.next_power_of_2(triton.cdiv(max(n, 1), 512)), 256), 1024)
+
+
+def routing_metadata_launches(
+    indices: torch.Tensor,  # [T, k] int32/int64, contiguous
+    num_experts: int,
+    align: int,  # 1 = no padding
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], list]:
+    """``routing_metadata`` split into its launches, for benchmarks that time each one.
+
+    Allocates the outputs and returns them with ``[(name, launch)]``; calling every ``launch``
+    in order fills the outputs (each may be re-run: it only reads what the earlier ones wrote).
+    """
+    device = indices.device
+    n = indices.numel()
+    E = num_experts
+    block_n = _meta_block(n)
+    pos_bits = block_n.bit_length() - 1
+    if n >= 2**31:
+        raise ValueError(f"routing_metadata needs T·k < 2^31 (int32 rows), got {n}")
+    max_experts = (1 << (32 - pos_bits)) - 2  # the sort key packs (e ≤ E, position) in 32 bits
+    if num_experts > max_experts:
+        raise ValueError(f"routing_metadata supports up to {max_experts} experts, got {E}")
+    num_blocks = max(triton.cdiv(n, block_n), 1)
+    # tl.histogram wants a power-of-two bin count of at least a warp.
+    e_pad = max(triton.next_power_of_2(E), 32)
+    block_counts = torch.empty((num_blocks, E), dtype=torch.int32, device=device)
+    block_offsets = torch.empty_like(block_counts)
+    tokens_per_expert = torch.empty(E, dtype=torch.int32, device=device)
+    counts = torch.empty(E, dtype=torch.int32, device=device)
+    offsets = torch.empty(E, dtype=torch.int32, device=device)
+    row_index = torch.empty(indices.shape, dtype=torch.int32, device=device)
+    flat = indices.reshape(-1)
+    scan_block_b = min(triton.next_power_of_2(num_blocks), _SCAN_BLOCK_B)
+
+    def hist():
+        _routing_hist_kernel[(num_blocks,)](
+            flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=4
+        )
+
+    def scan():
+        _routing_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
+            block_counts,
+            block_offsets,
+            tokens_per_expert,
+            E,
+            num_blocks,
+            BLOCK_E=_SCAN_BLOCK_E,
+            BLOCK_B=scan_block_b,
+            num_warps=8 if scan_block_b * _SCAN_BLOCK_E >= 2048 else 4,
+        )
+
+    def rows():
+        _routing_rows_kernel[(num_blocks,)](
+            flat,
+            block_counts,
+            block_offsets,
+            tokens_per_expert,
+            row_index,
+            counts,
+            offsets,
+            n,
+            E,
+            ALIGN=align,
+            BLOCK_N=block_n,
+            POS_BITS=pos_bits,
+            E_PAD=e_pad,
+            num_warps=4,
+        )
+
+    outputs = (row_index, tokens_per_expert, counts, offsets)
+    return outputs, [("hist", hist), ("scan", scan), ("rows", rows)]
 
 
 def routing_metadata(
@@ -164,50 +248,10 @@ def routing_metadata(
     Returns ``row_index [T, k]``, ``tokens_per_expert [E]``, ``counts [E]`` (padded) and
     ``offsets [E]`` (cumulative end offsets of the padded segments), all int32.
     """
-    device = indices.device
-    n = indices.numel()
-    E = num_experts
-    num_blocks = max(triton.cdiv(n, _META_BLOCK_N), 1)
-    # tl.histogram wants a power-of-two bin count of at least a warp.
-    e_pad = max(triton.next_power_of_2(E), 32)
-    block_counts = torch.empty((E, num_blocks), dtype=torch.int32, device=device)
-    block_offsets = torch.empty_like(block_counts)
-    tokens_per_expert = torch.empty(E, dtype=torch.int32, device=device)
-    counts = torch.empty(E, dtype=torch.int32, device=device)
-    offsets = torch.empty(E, dtype=torch.int32, device=device)
-    row_index = torch.empty(indices.shape, dtype=torch.int32, device=device)
-    flat = indices.reshape(-1)
-
-    _routing_hist_kernel[(num_blocks,)](
-        flat, block_counts, n, E, num_blocks, BLOCK_N=_META_BLOCK_N, E_PAD=e_pad, num_warps=4
-    )
-    _routing_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
-        block_counts,
-        block_offsets,
-        tokens_per_expert,
-        E,
-        num_blocks,
-        BLOCK_E=_SCAN_BLOCK_E,
-        BLOCK_B=_SCAN_BLOCK_B,
-        num_warps=4,
-    )
-    _routing_rows_kernel[(num_blocks,)](
-        flat,
-        block_offsets,
-        tokens_per_expert,
-        row_index,
-        counts,
-        offsets,
-        n,
-        E,
-        num_blocks,
-        ALIGN=align,
-        BLOCK_N=_META_BLOCK_N,
-        SUB=_META_SUB,
-        E_PAD=e_pad,
-        num_warps=4,
-    )
-    return row_index, tokens_per_expert, counts, offsets
+    outputs, launches = routing_metadata_launches(indices, num_experts, align)
+    for _, launch in launches:
+        launch()
+    return outputs
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,18 +26,42 @@ DEVICE = "cpu" if interpret_mode() else "cuda"
 @pytest.mark.parametrize(
     "T,k,E,align",
     [
-        (300, 4, 6, 1),  # 1200 pairs: three metadata blocks, several rank sub-chunks each
+        (300, 4, 6, 1),  # 1200 pairs: five 256-pair blocks, the last one partly masked
         (130, 16, 3, 8),  # k = 16, few experts: long runs of one expert across blocks
         (70, 2, 1000, 16),  # E near the 1024 cap of the tests: the histogram's widest bins
         (40, 3, 1, 128),  # E = 1: every pair in one segment
+        (1, 1, 5, 16),  # one pair: a block of 256 with 255 masked positions
     ],
 )
 def test_routing_metadata_kernel(T, k, E, align):
     indices = torch.randint(0, E, (T, k), device=DEVICE)
-    indices[::7, 0] = -1  # masked slots in every block
+    indices[::7, 0] = -1  # masked slots in every block (they sort after every expert)
     got = kern.routing_metadata(indices, E, align)
     want = ref.routing_metadata_torch(indices, E, align)
     for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_routing_metadata_scan_loop_and_int32_indices(monkeypatch):
+    # The scan walks the blocks in steps of _SCAN_BLOCK_B (512 on GPU: loops only past 2^19
+    # pairs); a step of 2 makes it loop here, with a running prefix carried across steps.
+    # int32 indices and out-of-range experts on both sides (−1 and E) are dropped slots.
+    monkeypatch.setattr(kern, "_SCAN_BLOCK_B", 2)
+    indices = torch.randint(-1, 10, (700, 2), device=DEVICE, dtype=torch.int32)  # 6 blocks
+    got = kern.routing_metadata(indices, 9, 16)
+    want = ref.routing_metadata_torch(indices, 9, 16)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_routing_metadata_launches_compose():
+    # The benchmark times the launches one by one: run in order, they give routing_metadata.
+    indices = torch.randint(0, 7, (90, 3), device=DEVICE)
+    outputs, launches = kern.routing_metadata_launches(indices, 7, 8)
+    assert [name for name, _ in launches] == ["hist", "scan", "rows"]
+    for _, launch in launches:
+        launch()
+    for g, w in zip(outputs, ref.routing_metadata_torch(indices, 7, 8)):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 

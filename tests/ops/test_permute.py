@@ -379,14 +379,22 @@ def test_gpu_matches_reference(T, H, E, k, align):
 
 
 @pytest.mark.gpu
-def test_gpu_metadata_large_e():
-    # E = 1024 and many blocks: the counting sort against the reference.
-    indices, _ = _gpu_routing(20000, 1024, 16)
+@pytest.mark.parametrize(
+    "T,E,k",
+    [
+        (20000, 1024, 16),  # E = 1024: the histogram's widest bins, 313 blocks of 1024 pairs
+        (70000, 256, 8),  # 560000 pairs: 547 blocks, past one 512-block step of the scan
+        (3, 256, 8),  # fewer pairs than experts: one mostly-masked block
+    ],
+)
+def test_gpu_metadata_large(T, E, k):
+    # The counting sort against the reference at sizes the interpreter cannot reach.
+    indices, _ = _gpu_routing(T, E, k)
     from moekit.kernels.permute import routing_metadata
 
     for align in (1, 128):
-        got = routing_metadata(indices, 1024, align)
-        want = ref.routing_metadata_torch(indices, 1024, align)
+        got = routing_metadata(indices, E, align)
+        want = ref.routing_metadata_torch(indices, E, align)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
 
