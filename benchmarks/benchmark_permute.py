@@ -13,12 +13,13 @@
    rows, write T·H; backward likewise, plus the prob-gradient's extra read of T·k·H; plus the
    metadata), and "%copy" compares with step 2.
 
-Timing: every measurement is a CUDA graph of calls (so Python launch overhead is not timed),
-cycling through enough copies of the inputs to exceed L2; the median over replays is reported.
-Backward = (forward + backward) − forward, both captured whole: the forward runs inside the
-capture, so autograd's backward runs on the capturing stream (capturing ``autograd.grad`` of a
-forward recorded outside the graph is what CUDA forbids). A cell whose capture fails is timed
-eagerly (marked ``*``); a cell that fails outright is reported and skipped, never the whole table.
+Timing: every cell is timed eagerly with ``triton.testing.do_bench`` (median; it flushes L2
+before each call, so the inputs are not cached). No CUDA graphs: capturing autograd's backward
+is fragile and a failed capture leaves the CUDA RNG unusable for the rest of the run.
+Backward = median(forward + backward) − median(forward), where forward + backward runs the
+forward and then ``torch.autograd.grad`` in the same timed call; the torch baselines likewise.
+All random inputs are made before any timing, never inside a timed call. A cell that fails is
+reported and skipped, never the whole table.
 The metadata is also timed launch by launch (hist, scan, rows).
 Writes permute_bench.json and permute_bench.png under --out; ``--budget-s`` bounds the grid's
 wall time (configs past it are listed as skipped).
@@ -31,13 +32,13 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
@@ -46,7 +47,6 @@ from moekit.ops.permute import permute, unpermute
 from moekit.reference import permute as ref
 
 DEVICE = "cuda"
-L2_BYTES = 50 * 2**20  # H100 L2; inputs are rotated until a round of calls touches 4× this.
 
 
 # ------------------------------------------------------------------------------------------------
@@ -59,81 +59,17 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
-def _graph_us(fns: list, rep_ms: float, max_calls: int) -> float:
-    """Median µs per call of a CUDA graph cycling through ``fns``."""
-    # Warm up on a side stream (compiles kernels, primes autograd and the caching allocator), as
-    # torch.cuda.graph's documentation asks, then capture on the graph's own stream.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(1 if len(fns) > 1 else 2):
-            for fn in fns:
-                fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
+def bench_us(fns: list, rep_ms: float) -> float:
+    """Median µs per call of ``fns`` (cycled through), timed eagerly by triton's do_bench."""
+    it = itertools.cycle(fns)
 
-    def graph_of(n):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for i in range(n):
-                fns[i % len(fns)]()
-        return g
+    def fn():
+        return next(it)()
 
-    def replays_ms(g, reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / reps
-
-    g = graph_of(len(fns))
-    g.replay()
-    est = min(replays_ms(g, 1) for _ in range(3)) / len(fns)  # ms per call
-    del g
-    n = max(len(fns), min(max_calls, int(rep_ms / max(est, 1e-3))))
-    n = -(-n // len(fns)) * len(fns)
-    g = graph_of(n)
-    g.replay()
-    reps = max(1, math.ceil(rep_ms / max(est * n, 1e-3)))  # short graphs: several per timing
-    times = [replays_ms(g, reps) / n for _ in range(5)]
-    del g
-    return statistics.median(times) * 1e3
-
-
-def _eager_us(fns: list, rep_ms: float) -> float:
-    """Median µs per call, launched eagerly (includes Python launch overhead)."""
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for fn in fns:
-        fn()
-    end.record()
-    end.synchronize()
-    est = start.elapsed_time(end) / len(fns)
-    n = max(len(fns), min(200, int(rep_ms / max(est, 1e-3))))
-    times = []
-    for _ in range(5):
-        start.record()
-        for i in range(n):
-            fns[i % len(fns)]()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / n)
-    return statistics.median(times) * 1e3
-
-
-def bench_us(fns: list, rep_ms: float, max_calls: int = 64) -> tuple[float, bool]:
-    """(µs per call, graphed). A CUDA graph when it captures; eager event timing when not."""
-    try:
-        return _graph_us(fns, rep_ms, max_calls), True
-    except Exception as exc:  # fall back per cell, keep the rest of the run
-        print(f"    graph capture failed ({_first_line(exc)}); timing eagerly", flush=True)
-        torch.cuda.synchronize()
-        return _eager_us(fns, rep_ms), False
+    ms = triton.testing.do_bench(
+        fn, warmup=max(5.0, rep_ms), rep=max(20.0, 4 * rep_ms), return_mode="median"
+    )
+    return ms * 1e3
 
 
 def copy_bandwidth(rep_ms: float) -> float:
@@ -141,7 +77,7 @@ def copy_bandwidth(rep_ms: float) -> float:
     n = 2**30 // 2
     src = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    us, _ = bench_us([lambda: dst.copy_(src)], rep_ms)
+    us = bench_us([lambda: dst.copy_(src)], rep_ms)
     return 2 * 2**30 / (us * 1e-6) / 1e9
 
 
@@ -257,12 +193,10 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
     b = torch.empty((), dtype=dtype).element_size()
     tk = T * k
     R = tk + (min(E, tk) * (align - 1) if align else 0)
-    n_rot = max(1, min(4, math.ceil(4 * L2_BYTES / ((T + R) * H * b))))
-    sets = []
-    for _ in range(n_rot):
-        idx, probs = routing(T, E, k)
-        hidden = torch.randn(T, H, device=DEVICE, dtype=dtype, requires_grad=True)
-        sets.append((idx, probs.requires_grad_(True), hidden))
+    # One input set, made before any timing: do_bench flushes L2 before every call.
+    idx, probs = routing(T, E, k)
+    hidden = torch.randn(T, H, device=DEVICE, dtype=dtype, requires_grad=True)
+    sets = [(idx, probs.requires_grad_(True), hidden)]
     meta = tk * (8 + 4 + 4 + 4) + R * 4  # indices, row_index, probs in/out
     bytes_ = {
         ("permute", "fwd"): (T + R) * H * b + meta,
@@ -270,11 +204,11 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
         ("unpermute", "fwd"): (tk + T) * H * b + meta,
         ("unpermute", "bwd"): (T + tk + R) * H * b + meta,
     }
-    res, graphed, errors = {}, {}, {}
+    res, errors = {}, {}
 
     def cell(key, fns):
         try:
-            res[key], graphed[key] = bench_us(fns, rep_ms)
+            res[key] = bench_us(fns, rep_ms)
         except Exception as exc:  # one failing cell must not lose the table
             errors[key] = _first_line(exc)
             print(f"    FAIL {key}: {errors[key]}", flush=True)
@@ -285,9 +219,6 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
         both, fwd = res.get((op, "fwdbwd", label)), res.get((op, "fwd", label))
         if both is not None and fwd is not None:
             res[(op, "bwd", label)] = max(both - fwd, 1e-3)
-            graphed[(op, "bwd", label)] = (
-                graphed[(op, "fwd", label)] and graphed[(op, "fwdbwd", label)]
-            )
 
     def run(label, make_permute, make_unpermute):
         """make_permute(set) -> state dict with "rows" [R, H] and "probs" [R];
@@ -368,7 +299,7 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
             return unpermute(packed, d2)
 
         run("sep-pad", sep_p, sep_u)
-    return res, graphed, bytes_, R, errors
+    return res, bytes_, R, errors
 
 
 def time_metadata(rep_ms: float, T=65536, E=256, k=8) -> dict:
@@ -377,9 +308,7 @@ def time_metadata(rep_ms: float, T=65536, E=256, k=8) -> dict:
     idx, _ = routing(T, E, k)
     for a in (1, 128):
         try:
-            out[f"all_align{a}"], _ = bench_us(
-                [lambda a=a: routing_metadata(idx, E, a)], rep_ms, max_calls=256
-            )
+            out[f"all_align{a}"] = bench_us([lambda a=a: routing_metadata(idx, E, a)], rep_ms)
         except Exception as exc:
             print(f"  metadata align={a} FAILED: {_first_line(exc)}", flush=True)
     try:
@@ -387,7 +316,7 @@ def time_metadata(rep_ms: float, T=65536, E=256, k=8) -> dict:
         for _name, launch in launches:  # in order: each reads what the previous one wrote
             launch()
         for name, launch in launches:
-            out[name], _ = bench_us([launch], rep_ms, max_calls=256)
+            out[name] = bench_us([launch], rep_ms)
     except Exception as exc:
         print(f"  metadata launches FAILED: {_first_line(exc)}", flush=True)
     return out
@@ -404,16 +333,14 @@ def print_table(rows):
         f"{'sep-pad µs':>10} {'pad ovh%':>8}"
     )
     for r in rows:
-        mark = "" if r["graphed"] else "*"
         print(
             f"{r['T']:>6} {r['H']:>5} {r['E']:>4} {r['k']:>2} {r['align'] or '-':>5} "
-            f"{r['op']:>9} {r['pass']:>4} {_fmt(r['ours_us'], '.1f') + mark:>9} "
+            f"{r['op']:>9} {r['pass']:>4} {_fmt(r['ours_us'], '.1f'):>9} "
             f"{_fmt(r['gbs'], '.0f'):>6} {_fmt(r['pct_copy'], '.0f'):>5}% "
             f"{_fmt(r['torch_us'], '.1f'):>9} {_fmt(r['speedup'], '.1f'):>6}× "
             f"{_fmt(r['sep_pad_us'], '.1f'):>10} {_fmt(r['pad_overhead_pct'], '+.1f'):>8}"
         )
-    if any(not r["graphed"] for r in rows):
-        print("  * timed eagerly (graph capture failed): includes launch overhead")
+    print("  (all cells timed eagerly with triton do_bench, median; bwd = fwd+bwd − fwd)")
 
 
 def main() -> int:
@@ -478,7 +405,7 @@ def main() -> int:
             continue
         t0 = time.time()
         try:
-            res, graphed, bytes_, R, errors = measure_config(T, H, E, k, align, args.rep_ms)
+            res, bytes_, R, errors = measure_config(T, H, E, k, align, args.rep_ms)
         except Exception as exc:  # e.g. out of memory while building the inputs
             cell_errors[name] = {"config": _first_line(exc)}
             print(f"  [{i + 1}/{len(grid)}] {name}: FAILED {_first_line(exc)}", flush=True)
@@ -510,7 +437,6 @@ def main() -> int:
                     "op": op,
                     "pass": ps,
                     "ours_us": ours,
-                    "graphed": graphed.get((op, ps, "ours"), True),
                     "gbs": gbs,
                     "pct_copy": 100 * gbs / copy_gbs if gbs and copy_gbs else None,
                     "torch_us": base,
@@ -539,6 +465,7 @@ def main() -> int:
         "correctness_failures": failures,
         "failed_cells": cell_errors,
         "skipped_configs": skipped,
+        "timing": "eager triton.testing.do_bench, median",
         "seconds": time.time() - t_start,
     }
     print()
