@@ -87,6 +87,24 @@ def _ragged_rows_desc(ptr, T, C, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
 
 
 @triton.jit
+def _expert_bounds(offsets_ptr, E, T, BLOCK_E: tl.constexpr):
+    """Each expert's row range [starts, ends) as [BLOCK_E] vectors, from cumulative end offsets.
+
+    Clamped to 0 <= start <= end <= T, so malformed offsets (documented as undefined without
+    validate=True) cannot address memory outside the operands. Padding lanes (>= E) get an empty
+    range at the largest end.
+    """
+    offs_e = tl.arange(0, BLOCK_E)
+    in_e = offs_e < E
+    ends = tl.load(offsets_ptr + offs_e, mask=in_e, other=0).to(tl.int32)
+    ends = tl.minimum(tl.maximum(ends, 0), T)
+    ends = tl.where(in_e, ends, tl.max(ends, axis=0))
+    starts = tl.load(offsets_ptr + offs_e - 1, mask=in_e & (offs_e > 0), other=0).to(tl.int32)
+    starts = tl.where(in_e, tl.minimum(tl.maximum(starts, 0), ends), ends)
+    return offs_e, in_e, starts, ends
+
+
+@triton.jit
 def _grouped_mm_ragged_m_kernel(
     # pointers
     a_ptr,  # [T, K]
@@ -122,16 +140,8 @@ def _grouped_mm_ragged_m_kernel(
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
 
-    # Per-expert row ranges, clamped to [0, T] so that malformed offsets cannot address memory
-    # outside a or c (their result is documented as undefined, not as a crash).
-    offs_e = tl.arange(0, BLOCK_E)
-    in_e = offs_e < E
-    ends = tl.load(offsets_ptr + offs_e, mask=in_e, other=0).to(tl.int32)
-    ends = tl.minimum(tl.maximum(ends, 0), T)
-    ends = tl.where(in_e, ends, tl.max(ends, axis=0))
-    starts = tl.load(offsets_ptr + offs_e - 1, mask=in_e & (offs_e > 0), other=0).to(tl.int32)
-    starts = tl.minimum(tl.maximum(starts, 0), T)
-    counts = tl.where(in_e, tl.maximum(ends - starts, 0), 0)
+    offs_e, _, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
+    counts = ends - starts  # 0 on padding lanes
     m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
     cum_m_tiles = tl.cumsum(m_tiles, axis=0)  # inclusive
     total_m = tl.sum(m_tiles, axis=0)
@@ -250,12 +260,7 @@ def _grouped_mm_ragged_k_kernel(
     # round-robin deal leaves some programs with several long tiles at the end. Dealing the
     # experts' tiles in order of decreasing count (longest first) keeps the tail short. The
     # order comes from an in-kernel sort of (count << 20 | expert): no host sync.
-    offs_e = tl.arange(0, BLOCK_E)
-    in_e = offs_e < E
-    ends = tl.load(offsets_ptr + offs_e, mask=in_e, other=0).to(tl.int32)
-    ends = tl.minimum(tl.maximum(ends, 0), T)
-    starts = tl.load(offsets_ptr + offs_e - 1, mask=in_e & (offs_e > 0), other=0).to(tl.int32)
-    starts = tl.minimum(tl.maximum(starts, 0), ends)
+    offs_e, in_e, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
     counts = tl.where(in_e, ends - starts, -1)  # padding lanes sort last
     order = tl.sort((counts.to(tl.int64) << 20) | offs_e.to(tl.int64), descending=True)
     order = (order & 0xFFFFF).to(tl.int32)  # expert id by rank
