@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.reference.allreduce import allreduce_add_rmsnorm_shards_ref
+from tests._multiproc import finish_worker
 
 WORLD = 2
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,9 +107,7 @@ def _worker_paths(rank: int, store: str) -> None:
         assert len(msgs) == 1 and "CUDA symmetric memory" in msgs[0], msgs
         ref_n, _ = allreduce_add_rmsnorm_shards_ref(shards, residual, weight, 1e-6)
         torch.testing.assert_close(n4, ref_n, atol=1e-5, rtol=1e-5)
-        # Both ranks leave their last collective before either tears gloo down: a peer
-        # closing its connections mid-operation aborts the other process.
-        dist.barrier()
+        finish_worker()  # barrier, then exit without gloo's racy teardown
     finally:
         dist.destroy_process_group()
 
@@ -151,9 +150,7 @@ def _worker_autograd(rank: int, store: str) -> None:
         x.grad = None
         (allreduce_add(x, r, algo="nccl") * dro).sum().backward()
         assert torch.equal(x.grad, dro) and torch.equal(r.grad, dro)
-        # Both ranks leave their last collective before either tears gloo down: a peer
-        # closing its connections mid-operation aborts the other process.
-        dist.barrier()
+        finish_worker()  # barrier, then exit without gloo's racy teardown
     finally:
         dist.destroy_process_group()
 
@@ -200,9 +197,7 @@ def _worker_errors(rank: int, store: str) -> None:
         torch.testing.assert_close(n, rn, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ro, rro, atol=0, rtol=0)
         assert allreduce(x, group=solo) is x
-        # Both ranks leave their last collective before either tears gloo down: a peer
-        # closing its connections mid-operation aborts the other process.
-        dist.barrier()
+        finish_worker()  # barrier, then exit without gloo's racy teardown
     finally:
         dist.destroy_process_group()
 
