@@ -105,6 +105,32 @@ def _expert_bounds(offsets_ptr, E, T, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _ragged_m_schedule(offsets_ptr, E, T, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per-expert m-tile counts for a ragged-M launch: (offs_e, starts, ends, m_tiles,
+    cum_m_tiles, total_m). Expert e owns ceil(count_e / BLOCK_M) m-tiles."""
+    offs_e, _, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
+    m_tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M  # 0 on padding lanes
+    cum_m_tiles = tl.cumsum(m_tiles, axis=0)  # inclusive
+    total_m = tl.sum(m_tiles, axis=0)
+    return offs_e, starts, ends, m_tiles, cum_m_tiles, total_m
+
+
+@triton.jit
+def _ragged_m_tile(
+    tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Tile index → (expert, first row, expert's end row, n-tile): the global m-tile g belongs
+    to the expert whose inclusive m-tile cumsum first exceeds g."""
+    g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
+    e = tl.sum((cum_m_tiles <= g_m).to(tl.int32), axis=0)
+    m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
+    row_start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
+    row_end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+    return e, row_start + (g_m - m_before) * BLOCK_M, row_end, pid_n
+
+
+@triton.jit
 def _grouped_mm_ragged_m_kernel(
     # pointers
     a_ptr,  # [T, K]
@@ -140,11 +166,9 @@ def _grouped_mm_ragged_m_kernel(
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
 
-    offs_e, _, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
-    counts = ends - starts  # 0 on padding lanes
-    m_tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    cum_m_tiles = tl.cumsum(m_tiles, axis=0)  # inclusive
-    total_m = tl.sum(m_tiles, axis=0)
+    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
+        offsets_ptr, E, T, BLOCK_M, BLOCK_E
+    )
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = total_m * num_n
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -172,12 +196,9 @@ def _grouped_mm_ragged_m_kernel(
     c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, BLOCK_N)
 
     for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-        g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
-        e = tl.sum((cum_m_tiles <= g_m).to(tl.int32), axis=0)
-        m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
-        row_start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
-        row_end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
-        off_m = row_start + (g_m - m_before) * BLOCK_M
+        e, off_m, row_end, pid_n = _ragged_m_tile(
+            tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
+        )
         off_n = pid_n * BLOCK_N
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -354,17 +375,24 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
 
 
 def _pick_config(
-    kind: str, key: tuple, dtype: torch.dtype, device: torch.device, launch
+    kind: str,
+    key: tuple,
+    dtype: torch.dtype,
+    device: torch.device,
+    launch,
+    candidates: tuple[GemmConfig, ...] | None = None,
+    interpret_config: GemmConfig = _INTERPRET_CONFIG,
 ) -> GemmConfig:
     """Heuristic config, or the fastest candidate timed once per static key (never the ragged
     dimension) when autotuning is on and we are not inside CUDA-graph capture."""
     if interpret_mode() or device.type != "cuda":
-        return _INTERPRET_CONFIG
+        return interpret_config
     full_key = (kind, dtype, *key)
     cfg = _tuned.get(full_key)
     if cfg is not None:
         return cfg
-    candidates = _candidates(kind, dtype)
+    if candidates is None:
+        candidates = _candidates(kind, dtype)
     if not autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     best, best_ms = candidates[0], float("inf")

@@ -1,7 +1,8 @@
 """Thin modules that own parameters and call moekit.ops."""
 
 from moekit.nn.grouped_linear import GroupedLinear
+from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.rmsnorm import RMSNorm
 from moekit.nn.row_parallel_linear import RowParallelLinear
 
-__all__ = ["GroupedLinear", "RMSNorm", "RowParallelLinear"]
+__all__ = ["GroupedLinear", "GroupedMLP", "RMSNorm", "RowParallelLinear"]

@@ -9,6 +9,7 @@ from moekit.ops.allreduce import (
 )
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
+from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 
@@ -20,6 +21,7 @@ __all__ = [
     "allreduce_add_rmsnorm",
     "auto_algo",
     "grouped_linear",
+    "grouped_mlp",
     "grouped_mm",
     "permute",
     "rmsnorm",

@@ -1,0 +1,481 @@
+"""Fused grouped-MLP kernels: GEMMs whose epilogues apply the activation and its derivative.
+
+Two persistent ragged-M kernels (same on-device scheduler as ``grouped_gemm``):
+
+* ``fc1``:   h = x @ w1[e]^T (+ b1[e]);  a = act(h) * probs   — stores h (for backward) and a.
+  For gated activations each tile holds the gate and up columns of the same F-range in two
+  accumulators (two B loads, one A load), so the GLU is a pure register epilogue.
+* ``dact``:  da = dy @ w2[e];  dh = d act(h) (da * probs);  dprobs = sum_f da * act(h)
+  — the fc2 dgrad with the activation backward in its epilogue; with recompute it also
+  re-materialises a = act(h) * probs for the fc2 weight gradient.
+
+Plus two small reductions: ``segment_colsum`` (bias gradients, per-expert column sums) and the
+sum of the dact kernel's per-n-tile dprobs partials (deterministic: no atomics).
+
+w1's gate/up layout is addressed through a 5-D descriptor view [E, F / I, 2, I, H] of the
+[E, 2F, H] weight: I = F for "[gate | up]" halves, I = glu_interleave otherwise. A tile of
+BLOCK_N F-columns reads rows [f % I, f % I + BLOCK_N) of chunk f // I, half 0 (gate) or 1
+(up); BLOCK_N must divide I (or I = F, where the TMA bound clips the tail at F).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.config import interpret_mode
+from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
+from moekit.kernels.grouped_gemm import (
+    GemmConfig,
+    _pick_config,
+    _ragged_m_schedule,
+    _ragged_m_tile,
+)
+
+# activation codes (constexpr ACT); names as in moekit.reference.activations
+ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "relu2": 3, "gelu": 4, "silu": 5}
+
+
+@triton.jit
+def _gelu_and_grad(x):
+    # exact (erf) GELU and its derivative, like torch.nn.functional.gelu's default
+    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    pdf = tl.exp(-0.5 * x * x) * 0.3989422804014327
+    return x * cdf, cdf + x * pdf
+
+
+@triton.jit
+def _silu_and_grad(x, alpha):
+    s = tl.sigmoid(alpha * x)
+    return x * s, s + alpha * x * s * (1.0 - s)
+
+
+@triton.jit
+def _act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+             OFFSET: tl.constexpr):  # fmt: skip
+    """act(g, u) in fp32; ungated activations ignore u."""
+    out, _, _ = _act_bwd(g, u, g, ACT, LIMIT, ALPHA, OFFSET)  # the gradients are dead code
+    return out
+
+
+@triton.jit
+def _act_bwd(g, u, d, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+             OFFSET: tl.constexpr):  # fmt: skip
+    """(act(g, u), d/dg, d/du) for an upstream gradient d, all fp32."""
+    if ACT == 0:
+        s, ds = _silu_and_grad(g, 1.0)
+        out = s * u
+        dg = d * u * ds
+        du = d * s
+    elif ACT == 1:
+        s, ds = _gelu_and_grad(g)
+        out = s * u
+        dg = d * u * ds
+        du = d * s
+    elif ACT == 2:
+        # clamp's gradient passes where the input is inside the closed interval (torch's rule)
+        gc = tl.minimum(g, LIMIT)
+        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        s, ds = _silu_and_grad(gc, ALPHA)
+        out = s * (uc + OFFSET)
+        dg = tl.where(g <= LIMIT, d * (uc + OFFSET) * ds, 0.0)
+        du = tl.where((u >= -LIMIT) & (u <= LIMIT), d * s, 0.0)
+    elif ACT == 3:
+        r = tl.maximum(g, 0.0)
+        out = r * r
+        dg = d * 2.0 * r
+        du = dg
+    elif ACT == 4:
+        out, ds = _gelu_and_grad(g)
+        dg = d * ds
+        du = dg
+    else:
+        out, ds = _silu_and_grad(g, 1.0)
+        dg = d * ds
+        du = dg
+    return out, dg, du
+
+
+@triton.jit
+def _gate_cols(f, I):
+    # column of gate unit f in a [.., 2F] gated tensor; its up column is I further on
+    return (f // I) * 2 * I + f % I
+
+
+@triton.jit
+def _grouped_mlp_fc1_kernel(
+    x_ptr,  # [R, H]
+    w1_ptr,  # [E, W1, H] with W1 = 2F (gated) or F; unit stride along H
+    h_ptr,  # [R, W1] pre-activation out (if STORE_H)
+    a_ptr,  # [R, F] activation out
+    probs_ptr,  # [R] (if HAS_PROBS)
+    b1_ptr,  # [E, W1] (if HAS_BIAS)
+    offsets_ptr,  # [E]
+    R, H, F, E, I,
+    stride_x, stride_w1_e, stride_w1_r, stride_h, stride_a, stride_b1,
+    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STORE_H: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):  # fmt: skip
+    dtype = a_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
+        offsets_ptr, E, R, BLOCK_M, BLOCK_E
+    )
+    num_n = tl.cdiv(F, BLOCK_N)
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    x_desc = tl.make_tensor_descriptor(
+        x_ptr, shape=[R, H], strides=[stride_x, 1], block_shape=[BLOCK_M, BLOCK_K]
+    )
+    if GATED:
+        w_desc = tl.make_tensor_descriptor(
+            w1_ptr,
+            shape=[E, F // I, 2, I, H],
+            strides=[stride_w1_e, 2 * I * stride_w1_r, I * stride_w1_r, stride_w1_r, 1],
+            block_shape=[1, 1, 1, BLOCK_N, BLOCK_K],
+        )
+    else:
+        w_desc = tl.make_tensor_descriptor(
+            w1_ptr,
+            shape=[E, F, H],
+            strides=[stride_w1_e, stride_w1_r, 1],
+            block_shape=[1, BLOCK_N, BLOCK_K],
+        )
+
+    for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        e, off_m, row_end, pid_n = _ragged_m_tile(
+            tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
+        )
+        off_f = pid_n * BLOCK_N
+        chunk = off_f // I
+        within = off_f % I
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            xa = x_desc.load([off_m, off_k])
+            if GATED:
+                wg = w_desc.load([e, chunk, 0, within, off_k]).reshape(BLOCK_N, BLOCK_K)
+                wu = w_desc.load([e, chunk, 1, within, off_k]).reshape(BLOCK_N, BLOCK_K)
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+            else:
+                wg = w_desc.load([e, off_f, off_k]).reshape(BLOCK_N, BLOCK_K)
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+
+        rows = off_m + tl.arange(0, BLOCK_M)
+        f = off_f + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & (f < F)[None, :]
+        if GATED:
+            gcol = _gate_cols(f, I)
+        else:
+            gcol = f
+        if HAS_BIAS:
+            bias_row = b1_ptr + e.to(tl.int64) * stride_b1
+            acc_g += tl.load(bias_row + gcol, mask=f < F, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                acc_u += tl.load(bias_row + gcol + I, mask=f < F, other=0.0).to(tl.float32)[None, :]
+        if STORE_H:
+            h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+            tl.store(h_rows + gcol[None, :], acc_g.to(dtype), mask=mask)
+            if GATED:
+                tl.store(h_rows + (gcol + I)[None, :], acc_u.to(dtype), mask=mask)
+        out = _act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA, OFFSET)
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            out = out * p[:, None]
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
+        tl.store(a_ptrs, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _grouped_mlp_dact_kernel(
+    dy_ptr,  # [R, H]
+    w2_ptr,  # [E, H, F]; unit stride along F
+    h_ptr,  # [R, W1] saved pre-activation
+    probs_ptr,  # [R] (if HAS_PROBS)
+    dh_ptr,  # [R, W1] out
+    dprobs_part_ptr,  # [num_n, R] fp32 out (if HAS_PROBS): one partial per F-tile
+    a_ptr,  # [R, F] out (if STORE_A: recomputed act(h) * probs)
+    offsets_ptr,  # [E]
+    R, H, F, E, I,
+    stride_dy, stride_w2_e, stride_w2_h, stride_h, stride_dh, stride_part, stride_a,
+    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    FLATTEN: tl.constexpr,
+):  # fmt: skip
+    dtype = dh_ptr.dtype.element_ty
+    pid = tl.program_id(0)
+    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
+        offsets_ptr, E, R, BLOCK_M, BLOCK_E
+    )
+    num_n = tl.cdiv(F, BLOCK_N)
+    k_tiles = tl.cdiv(H, BLOCK_K)
+    dy_desc = tl.make_tensor_descriptor(
+        dy_ptr, shape=[R, H], strides=[stride_dy, 1], block_shape=[BLOCK_M, BLOCK_K]
+    )
+    w_desc = tl.make_tensor_descriptor(
+        w2_ptr,
+        shape=[E, H, F],
+        strides=[stride_w2_e, stride_w2_h, 1],
+        block_shape=[1, BLOCK_K, BLOCK_N],
+    )
+
+    for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+        e, off_m, row_end, pid_n = _ragged_m_tile(
+            tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
+        )
+        off_f = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            off_k = ki * BLOCK_K
+            g = dy_desc.load([off_m, off_k])
+            w = w_desc.load([e, off_k, off_f]).reshape(BLOCK_K, BLOCK_N)
+            acc = tl.dot(g, w, acc)
+
+        rows = off_m + tl.arange(0, BLOCK_M)
+        f = off_f + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & (f < F)[None, :]
+        if GATED:
+            gcol = _gate_cols(f, I)
+        else:
+            gcol = f
+        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+        hg = tl.load(h_rows + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            hu = tl.load(h_rows + (gcol + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            hu = hg
+        if HAS_PROBS:
+            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            d = acc * p[:, None]
+        else:
+            d = acc
+        act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
+        dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dh
+        tl.store(dh_rows + gcol[None, :], dg.to(dtype), mask=mask)
+        if GATED:
+            tl.store(dh_rows + (gcol + I)[None, :], du.to(dtype), mask=mask)
+        if HAS_PROBS:
+            part = tl.sum(tl.where(mask, acc * act, 0.0), axis=1)
+            tl.store(dprobs_part_ptr + pid_n * stride_part + rows, part, mask=row_ok)
+            if STORE_A:
+                act = act * p[:, None]
+        if STORE_A:
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
+            tl.store(a_ptrs, act.to(dtype), mask=mask)
+
+    if HAS_PROBS:
+        # Rows past offsets[-1] belong to no expert: their partials are zero (prob grad 0).
+        tail_start = tl.max(ends, axis=0)
+        zeros = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        tail_tiles = tl.cdiv(R - tail_start, BLOCK_M) * num_n
+        for tile in tl.range(pid, tail_tiles, NUM_PROGRAMS):
+            rows = tail_start + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(dprobs_part_ptr + (tile % num_n) * stride_part + rows, zeros, mask=rows < R)
+
+
+@triton.jit
+def _segment_colsum_kernel(
+    x_ptr,  # [T, N]
+    out_ptr,  # [S, N]: column sums of each segment, in out's dtype
+    offsets_ptr,  # [S] cumulative end offsets (if HAS_OFFSETS; else one segment [0, T))
+    T, N, stride_x, stride_out,
+    HAS_OFFSETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # One program per (segment, column block): a deterministic fp32 sum, no atomics, no memset.
+    seg = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if HAS_OFFSETS:
+        end = tl.minimum(tl.maximum(tl.load(offsets_ptr + seg).to(tl.int32), 0), T)
+        start = tl.where(seg > 0, tl.load(offsets_ptr + seg - 1, mask=seg > 0, other=0), 0)
+        start = tl.minimum(tl.maximum(start.to(tl.int32), 0), end)
+    else:
+        start = 0
+        end = T
+    acc = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
+        acc += tl.load(ptrs, mask=(rows < end)[:, None] & (cols < N)[None, :], other=0.0).to(
+            tl.float32
+        )
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + seg * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
+
+
+# --------------------------------------------------------------------------------------------
+# configs and launchers
+# --------------------------------------------------------------------------------------------
+
+# BLOCK_N counts F-columns: a gated fc1 tile holds 2 * BLOCK_N accumulator columns.
+_INTERPRET_CONFIG = GemmConfig(32, 16, 32, group_m=2, num_warps=4, num_stages=1)
+_FC1_GATED_CANDIDATES = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+)
+_FC1_CANDIDATES = (
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
+)
+_DACT_CANDIDATES = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+)
+
+
+def fused_block_n(block_n: int, F: int, interleave: int | None) -> int:
+    """The largest power-of-two tile width <= block_n that divides the GLU interleave (a tile
+    must not straddle a gate/up block); halves (interleave None) need no division."""
+    if interleave is None:
+        return block_n
+    while block_n > 16 and interleave % block_n:
+        block_n //= 2
+    return block_n
+
+
+def _fit(cfg: GemmConfig, F: int, interleave: int | None) -> GemmConfig:
+    bn = fused_block_n(cfg.block_n, F, interleave)
+    return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
+
+
+def _fit_all(cands, F, interleave) -> tuple[GemmConfig, ...]:
+    return tuple(dict.fromkeys(_fit(c, F, interleave) for c in cands))
+
+
+def grouped_mlp_fc1(
+    x: torch.Tensor,  # [R, H], unit stride along H
+    w1: torch.Tensor,  # [E, W1, H], unit stride along H
+    offsets: torch.Tensor,  # [E]
+    a_out: torch.Tensor,  # [R, F] contiguous rows
+    h_out: torch.Tensor | None,  # [R, W1] or None (do not store the pre-activation)
+    probs: torch.Tensor | None,  # [R]
+    b1: torch.Tensor | None,  # [E, W1] unit stride along W1
+    act: str,
+    gated: bool,
+    interleave: int | None,  # None = [gate | up] halves
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+    config: GemmConfig | None = None,
+) -> None:
+    """a = act(x @ w1[e]^T + b1[e]) * probs per expert segment; h (pre-activation) if asked."""
+    ensure_scratch_allocator()
+    R, H = x.shape
+    E = w1.shape[0]
+    F = a_out.shape[1]
+    sms = device_sms(x)
+    dummy = a_out
+
+    def launch(cfg: GemmConfig) -> None:
+        _grouped_mlp_fc1_kernel[(sms,)](
+            x, w1, h_out if h_out is not None else dummy, a_out,
+            probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
+            R, H, F, E, interleave or F,
+            x.stride(0), w1.stride(0), w1.stride(1),
+            h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
+            b1.stride(0) if b1 is not None else 0,
+            GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
+            HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None, STORE_H=h_out is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+
+    if config is None:
+        cands = _fit_all(_FC1_GATED_CANDIDATES if gated else _FC1_CANDIDATES, F, interleave)
+        key = (H, F, E, gated, interleave, act, h_out is not None, probs is not None)
+        config = _pick_config(
+            "mlp_fc1", key, x.dtype, x.device, launch, cands,
+            _fit(_INTERPRET_CONFIG, F, interleave),
+        )  # fmt: skip
+    launch(config)
+
+
+def grouped_mlp_dact(
+    dy: torch.Tensor,  # [R, H], unit stride along H
+    w2: torch.Tensor,  # [E, H, F], unit stride along F
+    offsets: torch.Tensor,  # [E]
+    h: torch.Tensor,  # [R, W1] saved pre-activation
+    probs: torch.Tensor | None,  # [R]
+    dh_out: torch.Tensor,  # [R, W1]
+    a_out: torch.Tensor | None,  # [R, F]: recomputed act(h) * probs, or None
+    act: str,
+    gated: bool,
+    interleave: int | None,
+    limit: float = 7.0,
+    alpha: float = 1.702,
+    offset: float = 1.0,
+    config: GemmConfig | None = None,
+) -> torch.Tensor | None:
+    """dh = act'(h) · ((dy @ w2[e]) * probs); returns dprobs [R] fp32 (None without probs)."""
+    ensure_scratch_allocator()
+    R, H = dy.shape
+    E, _, F = w2.shape
+    sms = device_sms(dy)
+    parts: dict[int, torch.Tensor] = {}
+
+    def launch(cfg: GemmConfig) -> torch.Tensor | None:
+        num_n = triton.cdiv(F, cfg.block_n)
+        part = None
+        if probs is not None:
+            part = parts.get(num_n)
+            if part is None:
+                part = parts[num_n] = torch.empty(num_n, R, device=dy.device, dtype=torch.float32)
+        _grouped_mlp_dact_kernel[(sms,)](
+            dy, w2, h, probs if probs is not None else dh_out, dh_out,
+            part if part is not None else dh_out, a_out if a_out is not None else dh_out,
+            offsets,
+            R, H, F, E, interleave or F,
+            dy.stride(0), w2.stride(0), w2.stride(1), h.stride(0), dh_out.stride(0),
+            part.stride(0) if part is not None else 0, a_out.stride(0) if a_out is not None else 0,
+            GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
+            HAS_PROBS=probs is not None, STORE_A=a_out is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=cfg.group_m,
+            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+        return part
+
+    if config is None:
+        key = (H, F, E, gated, interleave, act, a_out is not None, probs is not None)
+        config = _pick_config(
+            "mlp_dact", key, dy.dtype, dy.device, launch,
+            _fit_all(_DACT_CANDIDATES, F, interleave), _fit(_INTERPRET_CONFIG, F, interleave),
+        )  # fmt: skip
+    return launch(config)
+
+
+def segment_colsum(
+    x: torch.Tensor,  # [T, N], unit stride along N
+    offsets: torch.Tensor | None,  # [S] cumulative end offsets, or None for one segment
+    out: torch.Tensor,  # [S, N] (S = 1 without offsets), unit stride along N
+) -> torch.Tensor:
+    """Column sums of each row segment of x, accumulated in fp32, written in out's dtype."""
+    T, N = x.shape
+    S = out.shape[0]
+    block_n = 32 if interpret_mode() else 256
+    grid = (S, triton.cdiv(N, block_n))
+    _segment_colsum_kernel[grid](
+        x, out, offsets if offsets is not None else out,
+        T, N, x.stride(0), out.stride(0),
+        HAS_OFFSETS=offsets is not None, BLOCK_R=16, BLOCK_N=block_n,
+    )  # fmt: skip
+    return out

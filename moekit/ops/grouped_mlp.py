@@ -1,0 +1,336 @@
+"""``grouped_mlp``: an expert MLP fc1 → (prob-scaled) activation → fc2 as one fused op.
+
+Forward is two launches: fc1 with the activation and prob scaling in its epilogue (it also
+stores the pre-activation h for backward), then the fc2 grouped GEMM. Backward is five: the fc2
+dgrad with the activation backward and the prob gradient in its epilogue, a deterministic sum
+of the prob-gradient partials, the fc2 wgrad, the fc1 dgrad and the fc1 wgrad (+1 launch per
+bias). Weight gradients accumulate into ``w.main_grad`` (fp32) when that attribute exists.
+
+Configurations the fused kernels do not cover (an F whose rows are not 16-byte aligned, a GLU
+interleave that is not a multiple of 16) run the unfused composition of moekit ops instead,
+with a one-time warning that says why. CPU tensors run that composition over the reference
+grouped GEMM (or the fused kernels in Triton's interpreter when ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from moekit.kernels import grouped_gemm as _gemm
+from moekit.kernels import grouped_mlp as _mlp
+from moekit.ops._dispatch import use_triton
+from moekit.ops._validate import (
+    check_byte_aligned,
+    check_dtype,
+    check_ndim,
+    check_same_device,
+    check_tensor,
+)
+from moekit.ops.grouped_gemm import _check_offsets
+from moekit.ops.grouped_linear import grouped_linear
+from moekit.reference.activations import Activation, apply_activation, resolve_activation
+
+__all__ = ["grouped_mlp"]
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    act: Activation
+    interleave: int | None
+    recompute: bool
+    main_grad1: torch.Tensor | None
+    main_grad2: torch.Tensor | None
+
+
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride on its last dim and 16-byte aligned base/strides (TMA's demands)."""
+    size = t.element_size()
+    ok = (
+        t.stride(-1) == 1
+        and t.data_ptr() % 16 == 0
+        and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+    )
+    return t if ok else t.contiguous()
+
+
+def _act_kwargs(plan: _Plan) -> dict:
+    a = plan.act
+    return dict(
+        act=a.name, gated=a.gated, interleave=plan.interleave,
+        limit=a.limit, alpha=a.alpha, offset=a.offset,
+    )  # fmt: skip
+
+
+class _GroupedMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan):
+        R, H = x.shape
+        W1 = w1.shape[1]
+        F_ = w2.shape[2]
+        needs_grad = any(ctx.needs_input_grad)
+        a = torch.empty(R, F_, device=x.device, dtype=x.dtype)
+        h = torch.empty(R, W1, device=x.device, dtype=x.dtype) if needs_grad else None
+        y = torch.empty(R, H, device=x.device, dtype=x.dtype)
+        if R > 0:
+            _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **_act_kwargs(plan))
+            _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
+        ctx.plan = plan
+        ctx.bias_dtypes = (
+            b1.dtype if b1 is not None else None,
+            b2.dtype if b2 is not None else None,
+        )
+        ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if plan.recompute else a)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, w1, w2, probs, h, a = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        need_x, _, need_w1, need_w2, need_p, need_b1, need_b2, _ = ctx.needs_input_grad
+        R, H = x.shape
+        E, W1, _ = w1.shape
+        F_ = w2.shape[2]
+        dev = x.device
+        dy = _unit_rows(grad.to(x.dtype))
+        dx = dw1 = dw2 = dp = db1 = db2 = None
+        if R == 0:
+            dx = torch.zeros_like(x) if need_x else None
+            dp = torch.zeros_like(probs) if need_p else None
+            dw1 = torch.zeros_like(w1) if need_w1 and plan.main_grad1 is None else None
+            dw2 = torch.zeros_like(w2) if need_w2 and plan.main_grad2 is None else None
+            if need_b1:
+                db1 = torch.zeros(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
+            if need_b2:
+                db2 = torch.zeros(E, H, device=dev, dtype=ctx.bias_dtypes[1])
+            return dx, None, dw1, dw2, dp, db1, db2, None
+
+        dh = torch.empty(R, W1, device=dev, dtype=x.dtype)
+        a_re = torch.empty(R, F_, device=dev, dtype=x.dtype) if plan.recompute else None
+        part = _mlp.grouped_mlp_dact(
+            dy, w2, offsets, h, probs, dh, a_re if need_w2 else None, **_act_kwargs(plan)
+        )
+        if need_p:
+            dp = _mlp.segment_colsum(part, None, torch.empty(1, R, device=dev, dtype=probs.dtype))
+            dp = dp.view(R)
+        if need_w2:
+            act_out = a_re if plan.recompute else a
+            if plan.main_grad2 is not None:
+                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, plan.main_grad2, True)
+            else:
+                dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, dw2)
+        if need_x:
+            dx = torch.empty(R, H, device=dev, dtype=x.dtype)
+            _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
+        if need_w1:
+            if plan.main_grad1 is not None:
+                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, plan.main_grad1, True)
+            else:
+                dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
+                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, dw1)
+        if need_b1:
+            db1 = torch.empty(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
+            _mlp.segment_colsum(dh, offsets, db1)
+        if need_b2:
+            db2 = torch.empty(E, H, device=dev, dtype=ctx.bias_dtypes[1])
+            _mlp.segment_colsum(dy, offsets, db2)
+        return dx, None, dw1, dw2, dp, db1, db2, None
+
+
+# --------------------------------------------------------------------------------------------
+# unfused composition (CPU path and fallback)
+# --------------------------------------------------------------------------------------------
+
+
+def _pad_units(w: torch.Tensor, dim: int, F_: int, F_pad: int, gated: bool, inter) -> torch.Tensor:
+    """Zero-pad the F units of w along ``dim`` (each GLU half separately): padded units have
+    pre-activation 0 and act(0) = 0 for every supported activation, so they change nothing."""
+    if F_pad == F_:
+        return w
+    if not gated:
+        return F.pad(w.movedim(dim, -1), (0, F_pad - F_)).movedim(-1, dim)
+    if inter is not None:
+        # regroup to halves: gate units then up units, each padded
+        blocks = w.movedim(dim, -1).unflatten(-1, (F_ // inter, 2, inter))
+        halves = [blocks[..., i, :].flatten(-2) for i in (0, 1)]
+    else:
+        halves = list(w.movedim(dim, -1).chunk(2, dim=-1))
+    return torch.cat([F.pad(t, (0, F_pad - F_)) for t in halves], dim=-1).movedim(-1, dim)
+
+
+def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan) -> torch.Tensor:
+    act, inter = plan.act, plan.interleave
+    F_ = w2.shape[2]
+    mult = 16 // x.element_size()
+    F_pad = -(-F_ // mult) * mult
+    if F_pad != F_:
+        if plan.main_grad1 is not None or plan.main_grad2 is not None:
+            raise ValueError(
+                f"main_grad accumulation needs F (w2.shape[2]) to be a multiple of {mult} for "
+                f"{str(x.dtype).replace('torch.', '')}, got F = {F_}"
+            )
+        w1 = _pad_units(w1, 1, F_, F_pad, act.gated, inter)
+        b1 = _pad_units(b1, 1, F_, F_pad, act.gated, inter) if b1 is not None else None
+        w2 = F.pad(w2, (0, F_pad - F_))
+        inter = None  # _pad_units regrouped the GLU layout to halves
+    h = grouped_linear(x, w1, offsets, b1, plan.main_grad1)
+    a = apply_activation(h.float(), act, inter)
+    if probs is not None:
+        a = a * probs.float()[:, None]
+    return grouped_linear(a.to(x.dtype), w2, offsets, b2, plan.main_grad2)
+
+
+# --------------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def _fused_unsupported(x: torch.Tensor, F_: int, interleave: int | None) -> str | None:
+    """Why the fused kernels cannot run this configuration (None if they can)."""
+    if (F_ * x.element_size()) % 16:
+        return f"F = {F_} is not a multiple of {16 // x.element_size()} (16-byte TMA rows)"
+    if interleave is not None and interleave % 16:
+        return f"glu_interleave = {interleave} is not a multiple of 16 (the smallest GEMM tile)"
+    return None
+
+
+def _check_optional(name, t, shape, ref) -> torch.Tensor | None:
+    if t is None:
+        return None
+    t = check_tensor(name, t)
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    check_same_device(name, t, "x", ref)
+    check_dtype(name, t, _FLOAT_DTYPES)
+    return t
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    *,
+    activation: str | Activation = "swiglu",
+    glu_interleave: int | None = None,
+    recompute_activation: bool = False,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert MLP over expert-sorted rows: ``y = fc2(act(fc1(x)) * probs)`` per expert.
+
+    Args:
+        x: [R, H] rows grouped by expert (bf16/fp16/fp32).
+        offsets: [E] int32/int64 cumulative end offsets on x's device; rows past
+            offsets[-1] give zero output and zero gradients.
+        w1: [E, 2F, H] for gated activations, [E, F, H] otherwise (nn.Linear layout). Gated
+            rows: ``[:F]`` gate, ``[F:]`` up; or, with ``glu_interleave=I``, blocks of I rows
+            alternating gate, up (see moekit.reference.activations).
+        w2: [E, H, F].
+        probs: optional [R] routing probabilities; each row's activation output is scaled by
+            its prob and the gradient flows to probs.
+        activation: "swiglu", "geglu", "clamped_swiglu" (gpt-oss: limit 7, alpha 1.702,
+            offset 1; pass ``moekit.Activation("clamped_swiglu", limit=..)`` for others),
+            "relu2", "gelu", "silu".
+        recompute_activation: save only x and the pre-activation for backward and recompute
+            the activation output there (less memory, a little more epilogue work).
+        b1: optional [E, 2F] / [E, F] fc1 bias; b2: optional [E, H] fc2 bias.
+
+    Returns:
+        [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
+        the weight gradients in place and ``.grad`` stays None.
+    """
+    x = check_tensor("x", x)
+    w1 = check_tensor("w1", w1)
+    w2 = check_tensor("w2", w2)
+    check_ndim("x", x, 2, "[R, H]")
+    check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
+    check_ndim("w2", w2, 3, "[E, H, F]")
+    check_dtype("x", x, _FLOAT_DTYPES)
+    for name, w in (("w1", w1), ("w2", w2)):
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+        check_same_device(name, w, "x", x)
+    act = resolve_activation(activation)
+    R, H = x.shape
+    E, W1, H1 = w1.shape
+    F_ = w2.shape[2]
+    if H1 != H or w2.shape[1] != H:
+        raise ValueError(
+            f"w1.shape[2] and w2.shape[1] must equal H = x.shape[1] = {H}, got w1 "
+            f"{tuple(w1.shape)}, w2 {tuple(w2.shape)}"
+        )
+    if w2.shape[0] != E:
+        raise ValueError(f"w1 and w2 must hold the same E experts, got {E} and {w2.shape[0]}")
+    if act.gated:
+        if W1 % 2:
+            raise ValueError(
+                f"w1.shape[1] must be even for gated activation {act.name!r} ([gate | up]), "
+                f"got {W1}"
+            )
+        if W1 != 2 * F_:
+            raise ValueError(
+                f"w1.shape[1] must be 2 * F = {2 * F_} for gated activation {act.name!r} "
+                f"(F = w2.shape[2]), got {W1}"
+            )
+    elif W1 != F_:
+        raise ValueError(
+            f"w1.shape[1] must equal F = w2.shape[2] = {F_} for activation {act.name!r}, got {W1}"
+        )
+    if glu_interleave is not None:
+        if not act.gated:
+            raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
+        if not isinstance(glu_interleave, int) or glu_interleave <= 0 or F_ % glu_interleave:
+            raise ValueError(
+                f"glu_interleave must be a positive integer dividing F = {F_}, "
+                f"got {glu_interleave!r}"
+            )
+    offsets = _check_offsets(offsets, E, x)
+    check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
+    probs = _check_optional("probs", probs, (R,), x)
+    b1 = _check_optional("b1", b1, (E, W1), x)
+    b2 = _check_optional("b2", b2, (E, H), x)
+    mg1 = _main_grad("w1", w1)
+    mg2 = _main_grad("w2", w2)
+    plan = _Plan(act, glu_interleave, bool(recompute_activation), mg1, mg2)
+
+    if use_triton(x):
+        reason = _fused_unsupported(x, F_, glu_interleave)
+        if reason is None:
+            return _GroupedMLPFn.apply(
+                _unit_rows(x), offsets, _unit_rows(w1), _unit_rows(w2),
+                probs.contiguous() if probs is not None else None,
+                _unit_rows(b1) if b1 is not None else None,
+                _unit_rows(b2) if b2 is not None else None,
+                plan,
+            )  # fmt: skip
+        if reason not in _warned:
+            _warned.add(reason)
+            warnings.warn(
+                f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
+                "composition of moekit ops",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan)
+
+
+def _main_grad(name: str, w: torch.Tensor) -> torch.Tensor | None:
+    mg = getattr(w, "main_grad", None)
+    if mg is None:
+        return None
+    if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32 or mg.shape != w.shape:
+        raise ValueError(
+            f"{name}.main_grad must be an fp32 tensor of {name}'s shape {tuple(w.shape)}, got "
+            f"{getattr(mg, 'dtype', type(mg).__name__)} {tuple(getattr(mg, 'shape', ()))}"
+        )
+    return mg
