@@ -219,7 +219,11 @@ def make_steps(counts, offsets, x, w1, w2, probs, dy, names):
         "torch_grouped_mm": torch_grouped_mm,
         "loop": loop,
     }
-    return {n: (lambda f=fwd[n]: torch.autograd.grad(f(), inputs, dy)) for n in names}
+    steps = {}
+    for n in names:
+        steps[n] = lambda f=fwd[n]: torch.autograd.grad(f(), inputs, dy)
+        steps[n].fwd = fwd[n]  # forward alone: what it keeps for backward (saved_mib)
+    return steps
 
 
 def peak_mib(step, timer: Timer) -> float:
@@ -234,6 +238,20 @@ def peak_mib(step, timer: Timer) -> float:
     peak = torch.cuda.max_memory_allocated() - before
     del grads
     return peak / 2**20
+
+
+def saved_mib(step, timer: Timer) -> float:
+    """MiB a forward keeps alive for its backward (activations saved plus the output): what a
+    model holds per layer between its forward and backward passes."""
+    if not timer.cuda:
+        return NAN
+    timer.sync()
+    before = torch.cuda.memory_allocated()
+    y = step.fwd()
+    timer.sync()
+    held = torch.cuda.memory_allocated() - before
+    del y
+    return held / 2**20
 
 
 def count_launches(step) -> tuple[int, list[tuple[str, int]]]:
@@ -266,6 +284,7 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
     }  # fmt: skip
     for c in CONTENDERS:
         row[f"{c}_ms"] = row[f"{c}_tflops"] = row[f"{c}_pct_peak"] = row[f"{c}_peak_mib"] = NAN
+        row[f"{c}_saved_mib"] = NAN
     steps = make_steps(counts, offsets, x, w1, w2, probs, dy, names)
 
     def fail(c, where, exc):
@@ -285,7 +304,11 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
             timer.sync()
             warm_s = time.perf_counter() - t0
             row[f"{c}_peak_mib"] = peak_mib(steps[c], timer)
-            log(f"  {name} {c}: first call {warm_s:.1f} s, peak {row[f'{c}_peak_mib']:.0f} MiB")
+            row[f"{c}_saved_mib"] = saved_mib(steps[c], timer)
+            log(
+                f"  {name} {c}: first call {warm_s:.1f} s, peak {row[f'{c}_peak_mib']:.0f} MiB,"
+                f" kept for backward {row[f'{c}_saved_mib']:.0f} MiB"
+            )
         except Exception as exc:  # e.g. out of memory, a case the fused path does not take yet
             fail(c, "warm", exc)
 
@@ -483,8 +506,10 @@ def shape_table(rows) -> list[str]:
     lines = [
         f"{'shape':16s} {'moekit':>8s} {'recomp':>8s} {'torch':>8s} {'loop':>8s} {'floor':>8s}"
         f" | {'TF/s m':>6s} {'rc':>6s} {'torch':>6s} {'%pk m':>6s} | {'ratio':>6s} {'rc':>6s}"
-        f" | {'MiB m':>7s} {'rc':>7s} {'torch':>7s} {'loop':>7s}",
-        f"{'':16s} {'(ms, fwd+bwd GPU time, median)':^44s} |",
+        f" | {'MiB m':>7s} {'rc':>7s} {'torch':>7s} {'loop':>7s}"
+        f" | {'kept m':>7s} {'rc':>7s} {'torch':>7s}",
+        f"{'':16s} {'(ms, fwd+bwd GPU time, median)':^44s} |"
+        f"{'':36s}|{'':31s}| (MiB kept from forward for backward)",
     ]
     for r in rows:
         lines.append(
@@ -495,6 +520,9 @@ def shape_table(rows) -> list[str]:
             f" | {_f(r['ratio_vs_torch'], '.2f', 6)} {_f(r['ratio_recompute_vs_torch'], '.2f', 6)}"
             f" | {_f(r['moekit_peak_mib'], '.0f', 7)} {_f(r['moekit_recompute_peak_mib'], '.0f', 7)}"
             f" {_f(r['torch_grouped_mm_peak_mib'], '.0f', 7)} {_f(r['loop_peak_mib'], '.0f', 7)}"
+            f" | {_f(r.get('moekit_saved_mib'), '.0f', 7)}"
+            f" {_f(r.get('moekit_recompute_saved_mib'), '.0f', 7)}"
+            f" {_f(r.get('torch_grouped_mm_saved_mib'), '.0f', 7)}"
         )
     lines.append(
         "  ratio = torch_grouped_mm ms / moekit ms (> 1: moekit faster); floor = FLOPs / peak"

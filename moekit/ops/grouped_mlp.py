@@ -118,6 +118,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         if need_p:
             dp = _mlp.segment_colsum(part, None, torch.empty(1, R, device=dev, dtype=probs.dtype))
             dp = dp.view(R)
+        del part  # scratch: released before the weight gradients are allocated
         if need_w2:
             act_out = a_re if plan.recompute else a
             if plan.main_grad2 is not None:
@@ -125,6 +126,10 @@ class _GroupedMLPFn(torch.autograd.Function):
             else:
                 dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
                 _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, dw2)
+            del act_out
+        # With recompute the re-materialised activation dies here, before dx and dw1 exist:
+        # backward's peak then holds one [R, F] tensor less than without recompute.
+        a_re = None
         if need_x:
             dx = torch.empty(R, H, device=dev, dtype=x.dtype)
             _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)

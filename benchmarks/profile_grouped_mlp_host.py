@@ -1,0 +1,97 @@
+"""Where the host time of a grouped_mlp forward+backward goes (CUDA only).
+
+Times each layer of the call stack with the GPU kept busy by ``torch.cuda._sleep`` (so the host
+never waits on it), then prints a cProfile of whole calls sorted by own time.
+
+    python benchmarks/profile_grouped_mlp_host.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.kernels import grouped_gemm as G
+from moekit.kernels import grouped_mlp as M
+from moekit.ops import grouped_mlp
+
+
+@triton.jit
+def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def host_us(fn, n: int, cycles_per_ms: float) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(400 * cycles_per_ms))  # 400 ms of GPU work ahead of the host
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def main() -> None:
+    torch.cuda._sleep(1000)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    torch.cuda._sleep(50_000_000)
+    e.record()
+    torch.cuda.synchronize()
+    cpm = 50_000_000 / s.elapsed_time(e)
+
+    R, E, H, F = 4096, 8, 1024, 1024
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(R, H, device=dev, dtype=dt, requires_grad=True)
+    w1 = (torch.randn(E, 2 * F, H, device=dev, dtype=dt) / 32).requires_grad_()
+    w2 = (torch.randn(E, H, F, device=dev, dtype=dt) / 32).requires_grad_()
+    p = torch.rand(R, device=dev, requires_grad=True)
+    off = torch.arange(1, E + 1, device=dev, dtype=torch.int32) * (R // E)
+    dy = torch.randn(R, H, device=dev, dtype=dt)
+    ins = (x, w1, w2, p)
+    a = torch.empty(R, F, device=dev, dtype=dt)
+    h = torch.empty(R, 2 * F, device=dev, dtype=dt)
+    y = torch.empty(R, H, device=dev, dtype=dt)
+    buf = torch.zeros(1024, device=dev)
+
+    rows = {
+        "fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
+            grouped_mlp(x, off, w1, w2, p), ins, dy
+        ),
+        "forward only": lambda: grouped_mlp(x, off, w1, w2, p),
+        "forward, no grad": lambda: grouped_mlp(x.detach(), off, w1.detach(), w2.detach(), p),
+        "fc1 launcher": lambda: M.grouped_mlp_fc1(x, w1, off, a, h, p, None, "swiglu", True, None),
+        "ragged_m launcher": lambda: G.grouped_mm_ragged_m(a, w2.transpose(1, 2), off, y),
+        "noop triton kernel": lambda: _noop_kernel[(1,)](buf, 1000, BLOCK=1024),
+        "torch.empty": lambda: torch.empty(R, F, device=dev, dtype=dt),
+        "torch add": lambda: buf.add(1.0),
+    }
+    print(f"host µs per call (GPU kept busy), R={R} E={E} H={H} F={F}")
+    for name, fn in rows.items():
+        with torch.no_grad() if "launcher" in name else torch.enable_grad():
+            print(f"  {name:28s} {host_us(fn, 50, cpm):8.1f}")
+
+    fn = rows["fwd+bwd (autograd.grad)"]
+    torch.cuda._sleep(int(800 * cpm))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(30):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    st.sort_stats("tottime").print_stats(28)
+    st.sort_stats("cumulative").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
