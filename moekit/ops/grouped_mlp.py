@@ -67,6 +67,19 @@ def _act_kwargs(plan: _Plan) -> dict:
     )  # fmt: skip
 
 
+def _release(t: torch.Tensor | None) -> None:
+    """Free a saved activation's memory as soon as backward has consumed it, so that dx and
+    the weight gradients are allocated in its place (TransformerEngine does the same). Autograd
+    would otherwise hold it until this node's backward returns. With saved-tensor hooks (e.g.
+    CPU offloading) ``t`` is the unpacked copy and only that copy is freed."""
+    if t is not None:
+        t.untyped_storage().resize_(0)
+
+
+def _released(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() == 0
+
+
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan):
@@ -91,6 +104,11 @@ class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, offsets, w1, w2, probs, h, a = ctx.saved_tensors
+        if h is not None and h.numel() and _released(h):
+            raise RuntimeError(
+                "grouped_mlp: backward ran a second time through the same graph, but the first "
+                "backward released the saved activations; retain_graph=True is not supported"
+            )
         plan: _Plan = ctx.plan
         need_x, _, need_w1, need_w2, need_p, need_b1, need_b2, _ = ctx.needs_input_grad
         R, H = x.shape
@@ -119,6 +137,7 @@ class _GroupedMLPFn(torch.autograd.Function):
             dp = _mlp.segment_colsum(part, None, torch.empty(1, R, device=dev, dtype=probs.dtype))
             dp = dp.view(R)
         del part  # scratch: released before the weight gradients are allocated
+        _release(h)
         if need_w2:
             act_out = a_re if plan.recompute else a
             if plan.main_grad2 is not None:
@@ -126,9 +145,9 @@ class _GroupedMLPFn(torch.autograd.Function):
             else:
                 dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
                 _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, dw2)
+            _release(act_out)
             del act_out
-        # With recompute the re-materialised activation dies here, before dx and dw1 exist:
-        # backward's peak then holds one [R, F] tensor less than without recompute.
+        # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
         a_re = None
         if need_x:
             dx = torch.empty(R, H, device=dev, dtype=x.dtype)

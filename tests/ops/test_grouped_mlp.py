@@ -147,6 +147,19 @@ def test_noncontiguous_inputs():
     assert all(_rel(a, b) < 1e-4 for a, b in zip(g, r))
 
 
+@pytest.mark.parametrize("rec", [False, True])
+def test_backward_twice_through_one_graph_is_a_clear_error(rec, interpret):
+    if not interpret:
+        pytest.skip("a property of the fused path (the CPU composition keeps its activations)")
+    # backward frees the saved activations as soon as it has used them (memory), so a second
+    # backward through the same graph must fail loudly rather than read freed memory
+    x, w1, w2, p, _, _ = _make(20, 2, 16, 16, "swiglu")
+    y = grouped_mlp(x, _offsets([8, 12]), w1, w2, p, recompute_activation=rec)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph=True is not supported"):
+        y.sum().backward()
+
+
 def test_main_grad_accumulates_in_place():
     counts = [12, 0, 20]
     x, w1, w2, p, _, _ = _make(sum(counts), 3, 32, 16, "swiglu")
