@@ -9,12 +9,25 @@ import triton
 
 from moekit.config import interpret_mode
 
+_scratch_by_stream: dict[tuple[int, int | None], torch.Tensor] = {}
+
 
 def _scratch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Device-side TMA descriptors (tl.make_tensor_descriptor) live in this scratch memory.
-    # Allocating through torch keeps it inside the caching allocator, so CUDA-graph capture works.
-    device = "cpu" if interpret_mode() else torch.cuda.current_device()
-    return torch.empty(size, dtype=torch.int8, device=device)
+    if interpret_mode():
+        return torch.empty(size, dtype=torch.int8)
+    if torch.cuda.is_current_stream_capturing():
+        # From the graph's private pool via the caching allocator, so capture works.
+        return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
+    # Eager: one buffer per stream, reused by every launch on it (kernels on one stream run in
+    # order, exactly like the block the caching allocator would hand back each time), which
+    # saves an allocation per launch on the host.
+    key = (torch.cuda.current_device(), stream)
+    buf = _scratch_by_stream.get(key)
+    if buf is None or buf.numel() < size:
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=key[0])
+        _scratch_by_stream[key] = buf
+    return buf
 
 
 def ensure_scratch_allocator() -> None:
