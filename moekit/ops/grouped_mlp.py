@@ -46,6 +46,7 @@ class _Plan:
     recompute: bool
     main_grad1: torch.Tensor | None
     main_grad2: torch.Tensor | None
+    for_backward: bool  # grad mode on and an input requires grad: store h for backward
 
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,8 @@ class _GroupedMLPFn(torch.autograd.Function):
         R, H = x.shape
         W1 = w1.shape[1]
         F_ = w2.shape[2]
-        needs_grad = any(ctx.needs_input_grad)
+        # (ctx.needs_input_grad is set even under torch.no_grad, hence the plan's flag)
+        needs_grad = plan.for_backward
         a = torch.empty(R, F_, device=x.device, dtype=x.dtype)
         h = torch.empty(R, W1, device=x.device, dtype=x.dtype) if needs_grad else None
         y = torch.empty(R, H, device=x.device, dtype=x.dtype)
@@ -325,7 +327,10 @@ def grouped_mlp(
     b2 = _check_optional("b2", b2, (E, H), x)
     mg1 = _main_grad("w1", w1)
     mg2 = _main_grad("w2", w2)
-    plan = _Plan(act, glu_interleave, bool(recompute_activation), mg1, mg2)
+    for_backward = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, w1, w2, probs, b1, b2)
+    )
+    plan = _Plan(act, glu_interleave, bool(recompute_activation), mg1, mg2, for_backward)
 
     if use_triton(x):
         reason = _fused_unsupported(x, F_, glu_interleave)

@@ -122,6 +122,16 @@ def test_rows_past_offsets_are_zero_with_zero_grads():
     assert torch.all(y[11:] == 0) and torch.all(dx[11:] == 0) and torch.all(dp[11:] == 0)
 
 
+def test_inference_under_no_grad():
+    x, w1, w2, p, b1, b2 = _make(30, 3, 16, 32, "geglu", bias=True)
+    off = _offsets([10, 0, 20])
+    with torch.no_grad():
+        y = grouped_mlp(x, off, w1, w2, p, activation="geglu", b1=b1, b2=b2)
+    assert not y.requires_grad
+    ref = grouped_mlp_ref(x, off, w1, w2, p, activation="geglu", b1=b1, b2=b2)
+    assert _rel(y, ref) < 1e-5
+
+
 def test_zero_rows():
     x, w1, w2, p, b1, b2 = _make(0, 3, 16, 16, "swiglu", bias=True)
     y = grouped_mlp(x, _offsets([0, 0, 0]), w1, w2, p, b1=b1, b2=b2)
