@@ -339,7 +339,7 @@ _DACT_CANDIDATES = (
 )
 
 
-def fused_block_n(block_n: int, F: int, interleave: int | None) -> int:
+def fused_block_n(block_n: int, interleave: int | None) -> int:
     """The largest power-of-two tile width <= block_n that divides the GLU interleave (a tile
     must not straddle a gate/up block); halves (interleave None) need no division."""
     if interleave is None:
@@ -349,13 +349,13 @@ def fused_block_n(block_n: int, F: int, interleave: int | None) -> int:
     return block_n
 
 
-def _fit(cfg: GemmConfig, F: int, interleave: int | None) -> GemmConfig:
-    bn = fused_block_n(cfg.block_n, F, interleave)
+def _fit(cfg: GemmConfig, interleave: int | None) -> GemmConfig:
+    bn = fused_block_n(cfg.block_n, interleave)
     return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
 
 
-def _fit_all(cands, F, interleave) -> tuple[GemmConfig, ...]:
-    return tuple(dict.fromkeys(_fit(c, F, interleave) for c in cands))
+def _fit_all(cands, interleave) -> tuple[GemmConfig, ...]:
+    return tuple(dict.fromkeys(_fit(c, interleave) for c in cands))
 
 
 def grouped_mlp_fc1(
@@ -399,11 +399,11 @@ def grouped_mlp_fc1(
         )  # fmt: skip
 
     if config is None:
-        cands = _fit_all(_FC1_GATED_CANDIDATES if gated else _FC1_CANDIDATES, F, interleave)
+        cands = _fit_all(_FC1_GATED_CANDIDATES if gated else _FC1_CANDIDATES, interleave)
         key = (H, F, E, gated, interleave, act, h_out is not None, probs is not None)
         config = _pick_config(
             "mlp_fc1", key, x.dtype, x.device, launch, cands,
-            _fit(_INTERPRET_CONFIG, F, interleave),
+            _fit(_INTERPRET_CONFIG, interleave),
         )  # fmt: skip
     launch(config)
 
@@ -458,7 +458,7 @@ def grouped_mlp_dact(
         key = (H, F, E, gated, interleave, act, a_out is not None, probs is not None)
         config = _pick_config(
             "mlp_dact", key, dy.dtype, dy.device, launch,
-            _fit_all(_DACT_CANDIDATES, F, interleave), _fit(_INTERPRET_CONFIG, F, interleave),
+            _fit_all(_DACT_CANDIDATES, interleave), _fit(_INTERPRET_CONFIG, interleave),
         )  # fmt: skip
     return launch(config)
 
