@@ -69,6 +69,8 @@ import triton.testing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
+from benchmark_grouped_gemm import routing_counts
+
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
 
@@ -144,20 +146,6 @@ def dense_peak_tflops(timer: Timer, device: str) -> float:
 # ------------------------------------------------------------------------------------------------
 # Inputs and contenders
 # ------------------------------------------------------------------------------------------------
-
-
-def routing_counts(T: int, E: int, skewed: bool, gen: torch.Generator) -> torch.Tensor:
-    """Rows per expert (copied from benchmark_grouped_gemm.py): uniform, or a gamma(0.6) skew
-    with at least one idle expert. The gamma draw uses the global RNG (seeded per shape)."""
-    if not skewed:
-        counts = torch.full((E,), T // E, dtype=torch.int64)
-        counts[: T - int(counts.sum())] += 1
-        return counts
-    share = torch.distributions.Gamma(0.6, 1.0).sample((E,))
-    share[torch.randint(E, (1,), generator=gen)] = 0.0  # at least one idle expert
-    counts = torch.floor(share / share.sum() * T).to(torch.int64)
-    counts[torch.argmax(counts)] += T - int(counts.sum())
-    return counts
 
 
 def make_inputs(R, E, H, Fd, skewed, device, seed):
