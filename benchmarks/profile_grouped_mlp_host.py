@@ -27,6 +27,19 @@ def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
 
 
+class _AutogradFloor(torch.autograd.Function):
+    """No kernels: one output allocation forward, one gradient allocation per input backward.
+    What any custom autograd op pays for Function.apply and the backward engine's hand-off."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2, p):
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return torch.empty_like(g), None, None, None
+
+
 def host_us(fn, n: int, cycles_per_ms: float) -> float:
     for _ in range(3):
         fn()
@@ -68,9 +81,16 @@ def main() -> None:
             grouped_mlp(x, off, w1, w2, p), ins, dy
         ),
         "forward only": lambda: grouped_mlp(x, off, w1, w2, p),
+        "autograd floor (no kernels)": lambda: torch.autograd.grad(
+            _AutogradFloor.apply(x, w1, w2, p), (x,), dy
+        ),
         "forward, no grad": lambda: grouped_mlp(x.detach(), off, w1.detach(), w2.detach(), p),
-        "fc1 launcher": lambda: M.grouped_mlp_fc1(x, w1, off, a, h, p, None, "swiglu", True, None),
-        "ragged_m launcher": lambda: G.grouped_mm_ragged_m(a, w2.transpose(1, 2), off, y),
+        "fc1 launcher (Triton path)": lambda: M.grouped_mlp_fc1(
+            x, w1, off, a, h, p, None, "swiglu", True, None
+        ),
+        "ragged_m launcher (Triton path)": lambda: G.grouped_mm_ragged_m(
+            a, w2.transpose(1, 2), off, y
+        ),
         "noop triton kernel": lambda: _noop_kernel[(1,)](buf, 1000, BLOCK=1024),
         "torch.empty": lambda: torch.empty(R, F, device=dev, dtype=dt),
         "torch add": lambda: buf.add(1.0),

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moekit.config import autotune_enabled, interpret_mode
+from moekit.kernels._replay import launch as _launch
 from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
 
 
@@ -454,7 +455,8 @@ def grouped_mm_ragged_m(
 
     def launch(cfg: GemmConfig) -> None:
         grid = sms * cfg.ctas_per_sm
-        _grouped_mm_ragged_m_kernel[(grid,)](
+        _launch(
+            _grouped_mm_ragged_m_kernel, (grid,),
             a, b, out, bias if bias is not None else out, offsets,
             T, N, K, E,
             a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
@@ -505,7 +507,8 @@ def grouped_mm_ragged_k(
             and not (acc and (target.dtype != torch.float32 or interpret_mode()))
         )
         grid = sms * cfg.ctas_per_sm
-        _grouped_mm_ragged_k_kernel[(grid,)](
+        _launch(
+            _grouped_mm_ragged_k_kernel, (grid,),
             a, b, target, offsets,
             M, N, T, E,
             a.stride(1), b.stride(0),

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from moekit.config import interpret_mode
+from moekit.kernels._replay import launch as _launch
 from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
 from moekit.kernels.grouped_gemm import (
     GemmConfig,
@@ -358,6 +359,13 @@ def _fit_all(cands, interleave) -> tuple[GemmConfig, ...]:
     return tuple(dict.fromkeys(_fit(c, interleave) for c in cands))
 
 
+def dact_partial_rows(F: int, interleave: int | None) -> int:
+    """Rows of the dprobs-partials buffer that ``grouped_mlp_dact`` needs for any config it may
+    pick: one per BLOCK_N-wide F tile of the narrowest candidate."""
+    cands = (*_fit_all(_DACT_CANDIDATES, interleave), _fit(_INTERPRET_CONFIG, interleave))
+    return max(triton.cdiv(F, c.block_n) for c in cands)
+
+
 def grouped_mlp_fc1(
     x: torch.Tensor,  # [R, H], unit stride along H
     w1: torch.Tensor,  # [E, W1, H], unit stride along H
@@ -383,7 +391,8 @@ def grouped_mlp_fc1(
     dummy = a_out
 
     def launch(cfg: GemmConfig) -> None:
-        _grouped_mlp_fc1_kernel[(sms,)](
+        _launch(
+            _grouped_mlp_fc1_kernel, (sms,),
             x, w1, h_out if h_out is not None else dummy, a_out,
             probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
             R, H, F, E, interleave or F,
@@ -416,6 +425,7 @@ def grouped_mlp_dact(
     probs: torch.Tensor | None,  # [R]
     dh_out: torch.Tensor,  # [R, W1]
     a_out: torch.Tensor | None,  # [R, F]: recomputed act(h) * probs, or None
+    part_out: torch.Tensor | None,  # [>= dact_partial_rows(F, interleave), R] fp32, with probs
     act: str,
     gated: bool,
     interleave: int | None,
@@ -424,21 +434,23 @@ def grouped_mlp_dact(
     offset: float = 1.0,
     config: GemmConfig | None = None,
 ) -> torch.Tensor | None:
-    """dh = act'(h) · ((dy @ w2[e]) * probs); returns dprobs [R] fp32 (None without probs)."""
+    """dh = act'(h) · ((dy @ w2[e]) * probs).
+
+    With probs, also writes the per-F-tile partials of dprobs (Σ over the tile's columns of
+    da · act(h)) into the first ``cdiv(F, BLOCK_N)`` rows of ``part_out`` and returns that view
+    (sum its rows for dprobs); the caller allocates ``part_out`` (see ``dact_partial_rows``) so
+    that every buffer of the op's launches is its own. Returns None without probs.
+    """
     ensure_scratch_allocator()
     R, H = dy.shape
     E, _, F = w2.shape
     sms = device_sms(dy)
-    parts: dict[int, torch.Tensor] = {}
 
     def launch(cfg: GemmConfig) -> torch.Tensor | None:
         num_n = triton.cdiv(F, cfg.block_n)
-        part = None
-        if probs is not None:
-            part = parts.get(num_n)
-            if part is None:
-                part = parts[num_n] = torch.empty(num_n, R, device=dy.device, dtype=torch.float32)
-        _grouped_mlp_dact_kernel[(sms,)](
+        part = part_out[:num_n] if probs is not None else None
+        _launch(
+            _grouped_mlp_dact_kernel, (sms,),
             dy, w2, h, probs if probs is not None else dh_out, dh_out,
             part if part is not None else dh_out, a_out if a_out is not None else dh_out,
             offsets,
@@ -473,7 +485,8 @@ def segment_colsum(
     S = out.shape[0]
     block_n = 32 if interpret_mode() else 256
     grid = (S, triton.cdiv(N, block_n))
-    _segment_colsum_kernel[grid](
+    _launch(
+        _segment_colsum_kernel, grid,
         x, out, offsets if offsets is not None else out,
         T, N, x.stride(0), out.stride(0),
         HAS_OFFSETS=offsets is not None, BLOCK_R=16, BLOCK_N=block_n,

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from moekit.kernels import grouped_gemm as _gemm
 from moekit.kernels import grouped_mlp as _mlp
+from moekit.kernels._replay import LaunchReplay
 from moekit.ops._dispatch import use_triton
 from moekit.ops._validate import (
     check_byte_aligned,
@@ -39,33 +40,40 @@ __all__ = ["grouped_mlp"]
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(eq=False)
 class _Plan:
+    """Everything decided once per static configuration (shapes, strides, dtypes, devices,
+    flags): validated once, then reused by every call with the same configuration, together
+    with the recorded kernel launches that the call replays."""
+
     act: Activation
     interleave: int | None
     recompute: bool
-    main_grad1: torch.Tensor | None
-    main_grad2: torch.Tensor | None
     for_backward: bool  # grad mode on and an input requires grad: store h for backward
+    unfused_reason: str | None  # why the fused kernels cannot run this (None: they can)
+    direct: bool  # every input already has TMA-friendly strides: no copies before the kernels
+    part_rows: int  # rows of the dprobs-partials buffer (see grouped_mlp_dact)
+    fwd: LaunchReplay = dataclasses.field(default_factory=LaunchReplay)
+    # backward configuration (needs_input_grad, dy strides) -> one LaunchReplay per segment
+    bwd: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def act_kwargs(self) -> dict:
+        a = self.act
+        return dict(
+            act=a.name, gated=a.gated, interleave=self.interleave,
+            limit=a.limit, alpha=a.alpha, offset=a.offset,
+        )  # fmt: skip
+
+
+def _tma_strides(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
 
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
     """t with unit stride on its last dim and 16-byte aligned base/strides (TMA's demands)."""
-    size = t.element_size()
-    ok = (
-        t.stride(-1) == 1
-        and t.data_ptr() % 16 == 0
-        and all((s * size) % 16 == 0 for s in t.stride()[:-1])
-    )
-    return t if ok else t.contiguous()
-
-
-def _act_kwargs(plan: _Plan) -> dict:
-    a = plan.act
-    return dict(
-        act=a.name, gated=a.gated, interleave=plan.interleave,
-        limit=a.limit, alpha=a.alpha, offset=a.offset,
-    )  # fmt: skip
+    return t if _tma_strides(t) and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
 def _release(t: torch.Tensor | None) -> None:
@@ -81,21 +89,31 @@ def _released(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == 0
 
 
+def _launch_or_replay(replay: LaunchReplay, roles: tuple, body) -> None:
+    """Replay ``body``'s recorded launches for these tensors, or run it (recording when due)."""
+    if not replay.run(roles):
+        with replay.recording(roles):
+            body()
+
+
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan):
+    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg2):
         R, H = x.shape
-        W1 = w1.shape[1]
-        F_ = w2.shape[2]
+        dev, dt = x.device, x.dtype
         # (ctx.needs_input_grad is set even under torch.no_grad, hence the plan's flag)
-        needs_grad = plan.for_backward
-        a = torch.empty(R, F_, device=x.device, dtype=x.dtype)
-        h = torch.empty(R, W1, device=x.device, dtype=x.dtype) if needs_grad else None
-        y = torch.empty(R, H, device=x.device, dtype=x.dtype)
+        a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
+        h = torch.empty(R, w1.shape[1], device=dev, dtype=dt) if plan.for_backward else None
+        y = torch.empty(R, H, device=dev, dtype=dt)
         if R > 0:
-            _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **_act_kwargs(plan))
-            _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
+
+            def launches():
+                _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **plan.act_kwargs)
+                _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
+
+            _launch_or_replay(plan.fwd, (x, offsets, w1, w2, probs, b1, b2, a, h, y), launches)
         ctx.plan = plan
+        ctx.main_grads = (mg1, mg2)
         ctx.bias_dtypes = (
             b1.dtype if b1 is not None else None,
             b2.dtype if b2 is not None else None,
@@ -112,61 +130,95 @@ class _GroupedMLPFn(torch.autograd.Function):
                 "backward released the saved activations; retain_graph=True is not supported"
             )
         plan: _Plan = ctx.plan
-        need_x, _, need_w1, need_w2, need_p, need_b1, need_b2, _ = ctx.needs_input_grad
+        mg1, mg2 = ctx.main_grads
+        needs = ctx.needs_input_grad
+        need_x, _, need_w1, need_w2, need_p, need_b1, need_b2 = needs[:7]
         R, H = x.shape
         E, W1, _ = w1.shape
         F_ = w2.shape[2]
-        dev = x.device
-        dy = _unit_rows(grad.to(x.dtype))
+        dev, dt = x.device, x.dtype
+        dy = _unit_rows(grad.to(dt))
         dx = dw1 = dw2 = dp = db1 = db2 = None
         if R == 0:
             dx = torch.zeros_like(x) if need_x else None
             dp = torch.zeros_like(probs) if need_p else None
-            dw1 = torch.zeros_like(w1) if need_w1 and plan.main_grad1 is None else None
-            dw2 = torch.zeros_like(w2) if need_w2 and plan.main_grad2 is None else None
+            dw1 = torch.zeros_like(w1) if need_w1 and mg1 is None else None
+            dw2 = torch.zeros_like(w2) if need_w2 and mg2 is None else None
             if need_b1:
                 db1 = torch.zeros(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
             if need_b2:
                 db2 = torch.zeros(E, H, device=dev, dtype=ctx.bias_dtypes[1])
-            return dx, None, dw1, dw2, dp, db1, db2, None
+            return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
-        dh = torch.empty(R, W1, device=dev, dtype=x.dtype)
-        a_re = torch.empty(R, F_, device=dev, dtype=x.dtype) if plan.recompute else None
-        part = _mlp.grouped_mlp_dact(
-            dy, w2, offsets, h, probs, dh, a_re if need_w2 else None, **_act_kwargs(plan)
-        )
-        if need_p:
-            dp = _mlp.segment_colsum(part, None, torch.empty(1, R, device=dev, dtype=probs.dtype))
-            dp = dp.view(R)
-        del part  # scratch: released before the weight gradients are allocated
+        # Three launch segments, so that h and the activation are freed between them exactly
+        # as early as before (each segment is replayed as a unit once recorded).
+        bkey = (needs, dy.stride())
+        seg = plan.bwd.get(bkey)
+        if seg is None:
+            seg = plan.bwd[bkey] = (LaunchReplay(), LaunchReplay(), LaunchReplay())
+
+        # 1. fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
+        dh = torch.empty(R, W1, device=dev, dtype=dt)
+        a_re = torch.empty(R, F_, device=dev, dtype=dt) if plan.recompute and need_w2 else None
+        part = None
+        if probs is not None:
+            part = torch.empty(plan.part_rows, R, device=dev, dtype=torch.float32)
+        dp2 = torch.empty(1, R, device=dev, dtype=probs.dtype) if need_p else None
+
+        def dact():
+            used = _mlp.grouped_mlp_dact(
+                dy, w2, offsets, h, probs, dh, a_re, part, **plan.act_kwargs
+            )
+            if need_p:
+                _mlp.segment_colsum(used, None, dp2)
+
+        _launch_or_replay(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp2), dact)
+        dp = dp2.view(R) if need_p else None
+        part = None  # scratch: released before the weight gradients are allocated
         _release(h)
+
+        # 2. fc2 wgrad (into w2.main_grad when present)
         if need_w2:
             act_out = a_re if plan.recompute else a
-            if plan.main_grad2 is not None:
-                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, plan.main_grad2, True)
-            else:
-                dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
-                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, dw2)
+            target2 = mg2
+            if mg2 is None:
+                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+
+            def wgrad2():
+                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
+
+            _launch_or_replay(seg[1], (dy, offsets, act_out, target2), wgrad2)
             _release(act_out)
-            del act_out
+            act_out = None
         # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
         a_re = None
+
+        # 3. fc1 dgrad, fc1 wgrad, bias gradients
         if need_x:
-            dx = torch.empty(R, H, device=dev, dtype=x.dtype)
-            _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
+            dx = torch.empty(R, H, device=dev, dtype=dt)
+        target1 = None
         if need_w1:
-            if plan.main_grad1 is not None:
-                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, plan.main_grad1, True)
-            else:
-                dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
-                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, dw1)
+            target1 = mg1
+            if mg1 is None:
+                target1 = dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
         if need_b1:
             db1 = torch.empty(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
-            _mlp.segment_colsum(dh, offsets, db1)
         if need_b2:
             db2 = torch.empty(E, H, device=dev, dtype=ctx.bias_dtypes[1])
-            _mlp.segment_colsum(dy, offsets, db2)
-        return dx, None, dw1, dw2, dp, db1, db2, None
+
+        def fc1_grads():
+            if need_x:
+                _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
+            if need_w1:
+                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, target1, mg1 is not None)
+            if need_b1:
+                _mlp.segment_colsum(dh, offsets, db1)
+            if need_b2:
+                _mlp.segment_colsum(dy, offsets, db2)
+
+        roles = (dh, offsets, w1, x, dx, target1, db1, db2, dy)
+        _launch_or_replay(seg[2], roles, fc1_grads)
+        return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -190,13 +242,13 @@ def _pad_units(w: torch.Tensor, dim: int, F_: int, F_pad: int, gated: bool, inte
     return torch.cat([F.pad(t, (0, F_pad - F_)) for t in halves], dim=-1).movedim(-1, dim)
 
 
-def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan) -> torch.Tensor:
+def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg2) -> torch.Tensor:
     act, inter = plan.act, plan.interleave
     F_ = w2.shape[2]
     mult = 16 // x.element_size()
     F_pad = -(-F_ // mult) * mult
     if F_pad != F_:
-        if plan.main_grad1 is not None or plan.main_grad2 is not None:
+        if mg1 is not None or mg2 is not None:
             raise ValueError(
                 f"main_grad accumulation needs F (w2.shape[2]) to be a multiple of {mult} for "
                 f"{str(x.dtype).replace('torch.', '')}, got F = {F_}"
@@ -205,11 +257,11 @@ def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan) -> torc
         b1 = _pad_units(b1, 1, F_, F_pad, act.gated, inter) if b1 is not None else None
         w2 = F.pad(w2, (0, F_pad - F_))
         inter = None  # _pad_units regrouped the GLU layout to halves
-    h = grouped_linear(x, w1, offsets, b1, plan.main_grad1)
+    h = grouped_linear(x, w1, offsets, b1, mg1)
     a = apply_activation(h.float(), act, inter)
     if probs is not None:
         a = a * probs.float()[:, None]
-    return grouped_linear(a.to(x.dtype), w2, offsets, b2, plan.main_grad2)
+    return grouped_linear(a.to(x.dtype), w2, offsets, b2, mg2)
 
 
 # --------------------------------------------------------------------------------------------
@@ -275,6 +327,73 @@ def grouped_mlp(
         [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
         the weight gradients in place and ``.grad`` stays None.
     """
+    mg1 = getattr(w1, "main_grad", None)
+    mg2 = getattr(w2, "main_grad", None)
+    key = _plan_key(
+        x, offsets, w1, w2, probs, b1, b2, mg1, mg2,
+        activation, glu_interleave, recompute_activation,
+    )  # fmt: skip
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        plan = _make_plan(
+            x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute_activation
+        )
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = plan
+
+    reason = plan.unfused_reason
+    if reason is None:
+        if not plan.direct or (x.data_ptr() | w1.data_ptr() | w2.data_ptr()) & 15:
+            x, w1, w2 = _unit_rows(x), _unit_rows(w1), _unit_rows(w2)
+            probs = probs.contiguous() if probs is not None else None
+            b1 = _unit_rows(b1) if b1 is not None else None
+            b2 = _unit_rows(b2) if b2 is not None else None
+        return _GroupedMLPFn.apply(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
+    if reason and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
+            "composition of moekit ops",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
+
+
+# Plans by static configuration. The key holds everything the checks and the kernels'
+# specialisation depend on, so a hit skips validation; bounded so that a caller cycling
+# through endless shapes cannot grow it without limit.
+_PLANS: dict[tuple, _Plan] = {}
+_MAX_PLANS = 256
+
+
+def _sig(t: torch.Tensor | None) -> tuple | None:
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
+    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks)."""
+    try:
+        if not x.is_cuda:
+            return None
+        key = (
+            _sig(x), _sig(offsets), _sig(w1), _sig(w2), _sig(probs), _sig(b1), _sig(b2),
+            _sig(mg1), _sig(mg2), activation, interleave, recompute, torch.is_grad_enabled(),
+        )  # fmt: skip
+        hash(key)
+        return key
+    except (AttributeError, TypeError):
+        return None
+
+
+def _make_plan(
+    x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute_activation
+) -> _Plan:
+    """Validate every input (clear errors) and decide how this configuration runs."""
     x = check_tensor("x", x)
     w1 = check_tensor("w1", w1)
     w2 = check_tensor("w2", w2)
@@ -320,37 +439,26 @@ def grouped_mlp(
                 f"glu_interleave must be a positive integer dividing F = {F_}, "
                 f"got {glu_interleave!r}"
             )
-    offsets = _check_offsets(offsets, E, x)
+    _check_offsets(offsets, E, x)
     check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
-    probs = _check_optional("probs", probs, (R,), x)
-    b1 = _check_optional("b1", b1, (E, W1), x)
-    b2 = _check_optional("b2", b2, (E, H), x)
-    mg1 = _main_grad("w1", w1)
-    mg2 = _main_grad("w2", w2)
+    _check_optional("probs", probs, (R,), x)
+    _check_optional("b1", b1, (E, W1), x)
+    _check_optional("b2", b2, (E, H), x)
+    _main_grad("w1", w1)
+    _main_grad("w2", w2)
     for_backward = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (x, w1, w2, probs, b1, b2)
     )
-    plan = _Plan(act, glu_interleave, bool(recompute_activation), mg1, mg2, for_backward)
-
-    if use_triton(x):
-        reason = _fused_unsupported(x, F_, glu_interleave)
-        if reason is None:
-            return _GroupedMLPFn.apply(
-                _unit_rows(x), offsets, _unit_rows(w1), _unit_rows(w2),
-                probs.contiguous() if probs is not None else None,
-                _unit_rows(b1) if b1 is not None else None,
-                _unit_rows(b2) if b2 is not None else None,
-                plan,
-            )  # fmt: skip
-        if reason not in _warned:
-            _warned.add(reason)
-            warnings.warn(
-                f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
-                "composition of moekit ops",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan)
+    # "" = the unfused composition without a warning (CPU tensors run the reference)
+    reason = _fused_unsupported(x, F_, glu_interleave) if use_triton(x) else ""
+    direct = (
+        all(_tma_strides(t) for t in (x, w1, w2, b1, b2) if t is not None)
+        and (probs is None or probs.stride(0) == 1)
+    )  # fmt: skip
+    return _Plan(
+        act, glu_interleave, bool(recompute_activation), for_backward, reason, direct,
+        _mlp.dact_partial_rows(F_, glu_interleave),
+    )  # fmt: skip
 
 
 def _main_grad(name: str, w: torch.Tensor) -> torch.Tensor | None:
@@ -362,4 +470,5 @@ def _main_grad(name: str, w: torch.Tensor) -> torch.Tensor | None:
             f"{name}.main_grad must be an fp32 tensor of {name}'s shape {tuple(w.shape)}, got "
             f"{getattr(mg, 'dtype', type(mg).__name__)} {tuple(getattr(mg, 'shape', ()))}"
         )
+    check_same_device(f"{name}.main_grad", mg, name, w)
     return mg

@@ -1,0 +1,205 @@
+"""Re-issue a fixed sequence of Triton launches without Triton's per-call argument binding.
+
+A Triton launch costs ~40 µs of host time for our ~30-argument kernels (binding, specialisation
+keys, cache look-up, option strings, hook and scratch plumbing, a driver query per pointer),
+which made a grouped-MLP forward+backward (7 launches) host-bound at small sizes. An op whose
+launch sequence depends only on static facts (shapes, strides, dtypes, flags) records that
+sequence once, through Triton's normal path, then replays it: each replayed launch calls the
+compiled kernel's C launcher directly with the recorded arguments, only the tensor pointers
+swapped for the current call's.
+
+Soundness: everything Triton specialises on must be the same as at recording time. The op keys
+its ``LaunchReplay`` on shapes, strides, dtypes, devices and flags (which fix every integer and
+constexpr argument and the grid); tensor pointers must be 16-byte aligned (what Triton assumed
+for them when recording: checked on every replay, a misaligned call takes the normal path);
+the device must be the one recorded on. Anything the recorder cannot map back to one of the
+op's tensors (a launcher-internal copy or scratch buffer, aliasing, a callable grid, launch hooks
+installed by a profiler) disables replay for that key, and the op keeps using the normal path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+from collections.abc import Iterator, Sequence
+
+import torch
+from triton import knobs
+
+from moekit.kernels._runtime import _scratch_alloc
+
+__all__ = ["LaunchReplay", "launch"]
+
+# (kernel, compiled kernel, grid, positional args, keyword args) of each launch while recording
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "moekit_launch_record", default=None
+)
+
+
+def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)``; noted when a LaunchReplay is recording in this context."""
+    compiled = kernel[grid](*args, **meta)
+    rec = _RECORD.get()
+    if rec is not None:
+        rec.append((kernel, compiled, grid, args, meta))
+
+
+class _Call:
+    """One recorded launch: the C launcher, its fixed arguments, and where pointers go."""
+
+    __slots__ = ("c_launch", "grid", "head", "scratch", "slots", "template")
+
+    def __init__(self, c_launch, grid, head, template, slots, scratch):
+        self.c_launch = c_launch
+        self.grid = grid
+        self.head = head  # (function, cooperative, pdl, packed metadata)
+        self.template = template  # full argument list, pointers as placeholders
+        self.slots = slots  # ((argument position, role index), ...)
+        self.scratch = scratch  # (bytes, alignment) of global scratch, or None
+
+
+def _full_args(kernel, args: tuple, meta: dict) -> list:
+    """Every parameter of ``kernel`` in signature order, as Triton's launcher receives them."""
+    out = list(args)
+    for p in kernel.params[len(args) :]:
+        if p.name in meta:
+            out.append(meta[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            raise KeyError(p.name)
+    return out
+
+
+def _build_call(rec, ptr_role: dict[int, int]) -> _Call | None:
+    kernel, compiled, grid, args, meta = rec
+    if not isinstance(grid, tuple):
+        return None
+    if compiled is None or not hasattr(compiled, "packed_metadata"):
+        return None  # e.g. the interpreter: nothing compiled to call
+    runner = compiled.run  # initialises the handles (CudaLauncher on NVIDIA)
+    needed = ("launch", "launch_cooperative_grid", "launch_pdl", "global_scratch_size")
+    if not all(hasattr(runner, a) for a in needed) or getattr(runner, "profile_scratch_size", 0):
+        return None
+    full = _full_args(kernel, args, meta)
+    slots = []
+    for pos, a in enumerate(full):
+        if isinstance(a, torch.Tensor):
+            role = ptr_role.get(a.data_ptr())
+            if role is None:
+                return None
+            slots.append((pos, role))
+            full[pos] = 0
+    scratch = None
+    if runner.global_scratch_size > 0:
+        n = 1
+        for g in grid:
+            n *= g
+        scratch = (n * runner.num_ctas * runner.global_scratch_size, runner.global_scratch_align)
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    head = (
+        compiled.function,
+        runner.launch_cooperative_grid,
+        runner.launch_pdl,
+        compiled.packed_metadata,
+    )
+    return _Call(runner.launch, g, head, full, tuple(slots), scratch)
+
+
+class LaunchReplay:
+    """The launch sequence of one op for one static configuration.
+
+    Usage by an op (``roles``: the op's tensors in a fixed order, None for absent ones)::
+
+        if not replay.run(roles):          # not ready yet, or this call does not qualify
+            with replay.recording(roles):  # records when due, else a no-op
+                ... launchers, called the normal way ...
+
+    The first call runs normally (configs get picked or tuned then), the second records, later
+    calls replay.
+    """
+
+    __slots__ = ("_calls", "_device", "_seen", "disabled")
+
+    def __init__(self) -> None:
+        self._calls: tuple[_Call, ...] | None = None
+        self._seen = 0
+        self._device = -1
+        self.disabled = False
+
+    @property
+    def ready(self) -> bool:
+        return self._calls is not None
+
+    def run(self, roles: Sequence[torch.Tensor | None]) -> bool:
+        """Replay the recorded launches for these tensors; False if the op must launch itself."""
+        calls = self._calls
+        if calls is None:
+            return False
+        ptrs = [0 if t is None else t.data_ptr() for t in roles]
+        acc = 0
+        for p in ptrs:
+            acc |= p
+        if acc & 15 or knobs.runtime.launch_enter_hook.calls:
+            return False
+        dev = self._device
+        if torch.cuda.current_device() != dev:
+            return False
+        stream = torch._C._cuda_getCurrentRawStream(dev)
+        for c in calls:
+            args = list(c.template)
+            for pos, role in c.slots:
+                args[pos] = ptrs[role]
+            scratch = None
+            if c.scratch is not None:
+                scratch = _scratch_alloc(c.scratch[0], c.scratch[1], stream).data_ptr()
+            fn, coop, pdl, packed = c.head
+            g = c.grid
+            # (grid, stream, function, cooperative, pdl, global scratch, profile scratch,
+            #  packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)
+            c.c_launch(
+                g[0], g[1], g[2], stream, fn, coop, pdl, scratch, None, packed, None, None, None,
+                *args,
+            )  # fmt: skip
+        return True
+
+    @contextlib.contextmanager
+    def recording(self, roles: Sequence[torch.Tensor | None]) -> Iterator[None]:
+        """Run the body's launches normally; on the second call, also record them."""
+        self._seen += 1
+        if self.disabled or self._calls is not None or self._seen != 2:
+            yield
+            return
+        rec: list = []
+        token = _RECORD.set(rec)
+        try:
+            yield
+        finally:
+            _RECORD.reset(token)
+        self._build(rec, roles)
+
+    def _build(self, rec: list, roles: Sequence[torch.Tensor | None]) -> None:
+        self.disabled = True  # unless everything below maps
+        if not rec or knobs.runtime.launch_enter_hook.calls:
+            return
+        ptr_role: dict[int, int] = {}
+        for i, t in enumerate(roles):
+            if t is None:
+                continue
+            p = t.data_ptr()
+            if p == 0 or p & 15 or p in ptr_role:  # empty, misaligned or aliased: ambiguous
+                return
+            ptr_role[p] = i
+        calls = []
+        for r in rec:
+            try:
+                c = _build_call(r, ptr_role)
+            except Exception:  # another Triton's internals: stay on its normal path
+                return
+            if c is None:
+                return
+            calls.append(c)
+        self._device = torch.cuda.current_device()
+        self._calls = tuple(calls)
+        self.disabled = False
