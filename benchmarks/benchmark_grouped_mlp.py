@@ -256,6 +256,27 @@ def count_launches(step) -> tuple[int, list[tuple[str, int]]]:
     return len(names), collections.Counter(names).most_common()
 
 
+def kernel_times(step) -> list[tuple[str, float]]:
+    """GPU µs of each kernel of one (already warm) forward + backward, in launch order, from
+    the profiler's device-side timestamps: where the time of a contender goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        grads = step()
+        torch.cuda.synchronize()
+    del grads
+    evts = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    evts.sort(key=lambda e: e.time_range.start)
+    return [(e.name, e.time_range.elapsed_us()) for e in evts]
+
+
+def _short_kernel_name(name: str) -> str:
+    for cut in ("<", "("):
+        name = name.split(cut)[0]
+    return name[-48:]
+
+
 # ------------------------------------------------------------------------------------------------
 # Shapes
 # ------------------------------------------------------------------------------------------------
@@ -321,6 +342,21 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
         + f"  floor {row['floor_ms']:.3f} ms"
     )
 
+    if timer.cuda:  # per-kernel GPU time: which kernel of which contender costs what
+        row["kernel_us"] = {}
+        for c in ("moekit", "torch_grouped_mm"):
+            if c not in steps:
+                continue
+            try:
+                ks = kernel_times(steps[c])
+                row["kernel_us"][c] = ks
+                log(
+                    f"  kernels {c} ({sum(t for _, t in ks):.0f} µs): "
+                    + ", ".join(f"{_short_kernel_name(n)} {t:.0f}" for n, t in ks)
+                )
+            except Exception as exc:
+                log(f"  kernel times {c} FAILED: {_err(exc)}")
+
     launches = None
     if profile_launches and timer.cuda:
         launches = {}
@@ -358,11 +394,12 @@ def sleep_cycles_per_ms() -> float:
 
 
 def host_us_per_call(
-    fn, n: int, cycles_per_ms: float | None, per_batch: int = 5
+    fn, n: int, cycles_per_ms: float | None, per_batch: int = 25
 ) -> tuple[float, bool]:
     """Host µs per call of ``fn``: n calls, in batches of ``per_batch`` each enqueued behind a GPU
     sleep and timed with no synchronisation inside; best of 2 passes. Batches keep the pending
-    launches under the GPU's queue depth (~1000), past which a launch blocks until the GPU drains.
+    launches under the GPU's queue depth (~1000; 25 calls of the torch composition enqueue 625),
+    past which a launch blocks until the GPU drains.
     Returns (µs, covered): covered is False when the GPU went idle before a batch's last call was
     enqueued (the op synchronised, or the sleep was too short), so the host waited on the GPU."""
     for _ in range(5):  # warm: the caching allocator holds every block the loop needs

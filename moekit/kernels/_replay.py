@@ -27,9 +27,16 @@ from collections.abc import Iterator, Sequence
 import torch
 from triton import knobs
 
-from moekit.kernels._runtime import _scratch_alloc
+from moekit.kernels._runtime import cuda_scratch
 
 __all__ = ["LaunchReplay", "launch"]
+
+
+def _hooks_installed() -> bool:
+    """A profiler's launch hooks (e.g. proton): replay steps aside so that it sees every launch."""
+    hook = knobs.runtime.launch_enter_hook
+    return bool(getattr(hook, "calls", hook is not None))
+
 
 # (kernel, compiled kernel, grid, positional args, keyword args) of each launch while recording
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
@@ -120,12 +127,13 @@ class LaunchReplay:
     calls replay.
     """
 
-    __slots__ = ("_calls", "_device", "_seen", "disabled")
+    __slots__ = ("_calls", "_device", "_scratch", "_seen", "disabled")
 
     def __init__(self) -> None:
         self._calls: tuple[_Call, ...] | None = None
         self._seen = 0
         self._device = -1
+        self._scratch = 0  # bytes of global scratch the largest launch needs
         self.disabled = False
 
     @property
@@ -141,26 +149,24 @@ class LaunchReplay:
         acc = 0
         for p in ptrs:
             acc |= p
-        if acc & 15 or knobs.runtime.launch_enter_hook.calls:
-            return False
         dev = self._device
-        if torch.cuda.current_device() != dev:
+        if acc & 15 or _hooks_installed() or torch._C._cuda_getDevice() != dev:
             return False
         stream = torch._C._cuda_getCurrentRawStream(dev)
+        # One scratch block serves every launch: they run in order on this stream.
+        scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
+        scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
         for c in calls:
-            args = list(c.template)
+            args = c.template.copy()
             for pos, role in c.slots:
                 args[pos] = ptrs[role]
-            scratch = None
-            if c.scratch is not None:
-                scratch = _scratch_alloc(c.scratch[0], c.scratch[1], stream).data_ptr()
             fn, coop, pdl, packed = c.head
             g = c.grid
             # (grid, stream, function, cooperative, pdl, global scratch, profile scratch,
             #  packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)
             c.c_launch(
-                g[0], g[1], g[2], stream, fn, coop, pdl, scratch, None, packed, None, None, None,
-                *args,
+                g[0], g[1], g[2], stream, fn, coop, pdl, scratch if c.scratch else None, None,
+                packed, None, None, None, *args,
             )  # fmt: skip
         return True
 
@@ -181,7 +187,7 @@ class LaunchReplay:
 
     def _build(self, rec: list, roles: Sequence[torch.Tensor | None]) -> None:
         self.disabled = True  # unless everything below maps
-        if not rec or knobs.runtime.launch_enter_hook.calls:
+        if not rec or _hooks_installed():
             return
         ptr_role: dict[int, int] = {}
         for i, t in enumerate(roles):
@@ -201,5 +207,6 @@ class LaunchReplay:
                 return
             calls.append(c)
         self._device = torch.cuda.current_device()
+        self._scratch = max((c.scratch[0] for c in calls if c.scratch), default=0)
         self._calls = tuple(calls)
         self.disabled = False

@@ -16,16 +16,23 @@ def _scratch_alloc(size: int, alignment: int, stream: int | None) -> torch.Tenso
     # Device-side TMA descriptors (tl.make_tensor_descriptor) live in this scratch memory.
     if interpret_mode():
         return torch.empty(size, dtype=torch.int8)
-    if torch.cuda.is_current_stream_capturing():
-        # From the graph's private pool via the caching allocator, so capture works.
-        return torch.empty(size, dtype=torch.int8, device=torch.cuda.current_device())
-    # Eager: one buffer per stream, reused by every launch on it (kernels on one stream run in
-    # order, exactly like the block the caching allocator would hand back each time), which
-    # saves an allocation per launch on the host.
-    key = (torch.cuda.current_device(), stream)
+    return cuda_scratch(size, torch.cuda.current_device(), stream)
+
+
+def cuda_scratch(size: int, device: int, stream: int | None) -> torch.Tensor:
+    """At least ``size`` bytes of kernel scratch on ``device`` for launches on ``stream``.
+
+    Eager: one buffer per stream, reused by every launch on it (kernels on one stream run in
+    order, exactly like the block the caching allocator would hand back each time), which saves
+    an allocation per launch on the host. Under CUDA-graph capture: a fresh block from the
+    graph's private pool via the caching allocator, so capture works.
+    """
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(size, dtype=torch.int8, device=device)
+    key = (device, stream)
     buf = _scratch_by_stream.get(key)
     if buf is None or buf.numel() < size:
-        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=key[0])
+        buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
         _scratch_by_stream[key] = buf
     return buf
 
