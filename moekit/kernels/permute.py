@@ -37,6 +37,8 @@ Row offsets are int64 (``R·H`` passes 2^31 at real sizes).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -167,10 +169,54 @@ def _meta_block(n: int) -> int:
     return min(max(triton.next_power_of_2(triton.cdiv(max(n, 1), 512)), 256), 1024)
 
 
+@dataclass(frozen=True)
+class MetaConfig:
+    """Launch configuration of the three metadata kernels (``_meta_config`` picks it;
+    ``meta_config_candidates`` lists the ones benchmarks/sweep_permute_kernels.py times)."""
+
+    block_n: int  # pairs per block (a power of two), B = ceil(N / block_n) blocks
+    hist_warps: int = 4
+    rows_warps: int = 4
+    scan_block_e: int = _SCAN_BLOCK_E  # experts per scan program
+    scan_block_b: int | None = None  # blocks per scan step (None: up to _SCAN_BLOCK_B)
+
+
+def _meta_config(n: int) -> MetaConfig:
+    return MetaConfig(block_n=_meta_block(n))
+
+
+# name → fields that differ from the default (whose block_n depends on N: 1024 at N = 2^19).
+_META_CANDIDATES = {
+    "default": {},
+    "rows-w2": {"rows_warps": 2},
+    "rows-w8": {"rows_warps": 8},
+    "scan-e4": {"scan_block_e": 4},
+    "bn512": {"block_n": 512},
+    "bn512-rows-w2": {"block_n": 512, "rows_warps": 2},
+    "bn512-rows-w2-scan-e4": {"block_n": 512, "rows_warps": 2, "scan_block_e": 4},
+    "bn256": {"block_n": 256},
+    "bn256-rows-w2-scan-e4": {"block_n": 256, "rows_warps": 2, "scan_block_e": 4},
+    "bn256-w1-scan-e4-b2048": {"block_n": 256, "rows_warps": 1, "hist_warps": 1,
+                               "scan_block_e": 4, "scan_block_b": 2048},
+    "bn128-w1-scan-e4-b4096": {"block_n": 128, "rows_warps": 1, "hist_warps": 1,
+                               "scan_block_e": 4, "scan_block_b": 4096},
+    "bn2048-rows-w8": {"block_n": 2048, "rows_warps": 8, "hist_warps": 8},
+}  # fmt: skip
+
+
+def meta_config_candidates(n: int) -> dict[str, MetaConfig]:
+    """Named metadata configurations for N = T·k pairs, the default first; each is valid for any N
+    (the tests run every one)."""
+    default = _meta_config(n)
+    return {name: replace(default, **fields) for name, fields in _META_CANDIDATES.items()}
+
+
 def routing_metadata_launches(
     indices: torch.Tensor,  # [T, k] int32/int64, contiguous
     num_experts: int,
     align: int,  # 1 = no padding
+    *,
+    config: MetaConfig | None = None,  # None: _meta_config(T·k)
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], list]:
     """``routing_metadata`` split into its launches, for benchmarks that time each one.
 
@@ -180,7 +226,8 @@ def routing_metadata_launches(
     device = indices.device
     n = indices.numel()
     E = num_experts
-    block_n = _meta_block(n)
+    cfg = config or _meta_config(n)
+    block_n = cfg.block_n
     pos_bits = block_n.bit_length() - 1
     if n >= 2**31:
         raise ValueError(f"routing_metadata needs T·k < 2^31 (int32 rows), got {n}")
@@ -197,23 +244,24 @@ def routing_metadata_launches(
     offsets = torch.empty(E, dtype=torch.int32, device=device)
     row_index = torch.empty(indices.shape, dtype=torch.int32, device=device)
     flat = indices.reshape(-1)
-    scan_block_b = min(triton.next_power_of_2(num_blocks), _SCAN_BLOCK_B)
+    scan_block_b = min(triton.next_power_of_2(num_blocks), cfg.scan_block_b or _SCAN_BLOCK_B)
+    scan_block_e = cfg.scan_block_e
 
     def hist():
         _routing_hist_kernel[(num_blocks,)](
-            flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=4
+            flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=cfg.hist_warps
         )
 
     def scan():
-        _routing_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
+        _routing_scan_kernel[(triton.cdiv(E, scan_block_e),)](
             block_counts,
             block_offsets,
             tokens_per_expert,
             E,
             num_blocks,
-            BLOCK_E=_SCAN_BLOCK_E,
+            BLOCK_E=scan_block_e,
             BLOCK_B=scan_block_b,
-            num_warps=8 if scan_block_b * _SCAN_BLOCK_E >= 2048 else 4,
+            num_warps=8 if scan_block_b * scan_block_e >= 2048 else 4,
         )
 
     def rows():
@@ -231,7 +279,7 @@ def routing_metadata_launches(
             BLOCK_N=block_n,
             POS_BITS=pos_bits,
             E_PAD=e_pad,
-            num_warps=4,
+            num_warps=cfg.rows_warps,
         )
 
     outputs = (row_index, tokens_per_expert, counts, offsets)
@@ -242,13 +290,15 @@ def routing_metadata(
     indices: torch.Tensor,  # [T, k] int32/int64, contiguous
     num_experts: int,
     align: int,  # 1 = no padding
+    *,
+    config: MetaConfig | None = None,  # None: _meta_config(T·k)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable counting sort of the (token, slot) pairs by expert, on device, in three launches.
 
     Returns ``row_index [T, k]``, ``tokens_per_expert [E]``, ``counts [E]`` (padded) and
     ``offsets [E]`` (cumulative end offsets of the padded segments), all int32.
     """
-    outputs, launches = routing_metadata_launches(indices, num_experts, align)
+    outputs, launches = routing_metadata_launches(indices, num_experts, align, config=config)
     for _, launch in launches:
         launch()
     return outputs
@@ -257,6 +307,97 @@ def routing_metadata(
 # ------------------------------------------------------------------------------------------------
 # Row copies
 # ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    """Tile configuration of a copy kernel (``_scatter_rows_kernel`` / ``_gather_rows_kernel``).
+
+    ``_copy_config`` picks one per launch; ``copy_config_candidates`` lists the ones the sweep
+    (benchmarks/sweep_permute_kernels.py) times.
+    """
+
+    block_h: int  # H elements per step (a power of two)
+    num_warps: int
+    # False: each step is a [K_PAD, BLOCK_H] tile of the token's k rows (reduced over k by
+    # tl.sum in the gather, a broadcast store in the scatter). True: a static loop over the k
+    # slots, one [BLOCK_H] row each (the gather accumulates into a 1-D fp32 vector: no
+    # cross-thread reduction; the scatter loads x once per step and stores it k times).
+    loop_k: bool = False
+    tokens_per_program: int = 1  # tokens one program handles, one after the other
+    split_h: bool = False  # gather only: one program per (tokens, BLOCK_H chunk), grid [·, H/BH]
+    # Streams touched once (rows read by the gather, rows written by both, the dot rows and, with
+    # loop_k, x in the scatter) are marked evict_first, so they do not push reused lines out of L2.
+    evict_first: bool = False
+
+
+def _fit_block_h(block_h: int, H: int) -> int:
+    """``block_h`` capped at H's next power of two; halved (down to 256) while that leaves a
+    mostly-masked last chunk (H = 7168 → 1024, not 4096)."""
+    block_h = min(block_h, triton.next_power_of_2(max(H, 1)))
+    while block_h > 256 and H % block_h and H % block_h < block_h // 2:
+        block_h //= 2
+    return block_h
+
+
+def _copy_config(kind: str, k: int, H: int) -> CopyConfig:
+    """The configuration of a ``kind`` ("scatter" or "gather") launch: a [K_PAD, BLOCK_H] tile of
+    about _TILE_ELEMS elements, 8 warps from 4096 elements up."""
+    k_pad = triton.next_power_of_2(max(k, 1))
+    block_h = _fit_block_h(max(_TILE_ELEMS // k_pad, 64), H)
+    return CopyConfig(block_h=block_h, num_warps=8 if k_pad * block_h >= 4096 else 4)
+
+
+# Candidates per kernel: name, loop_k, block_h (None: the default's; "half": half of it), num_warps
+# (None: the default's), tokens_per_program, split_h, evict_first. block_h is fitted to H.
+_CANDIDATES = {
+    "gather": [
+        ("default",              False, None,   None, 1, False, False),
+        ("tile+evict",           False, None,   None, 1, False, True),
+        ("tile/2-w4",            False, "half", 4,    1, False, False),
+        ("loopk-512w2",          True,  512,    2,    1, False, False),
+        ("loopk-1024w4",         True,  1024,   4,    1, False, False),
+        ("loopk-1024w4+evict",   True,  1024,   4,    1, False, True),
+        ("loopk-1024w4-tpp2",    True,  1024,   4,    2, False, False),
+        ("loopk-1024w4-splith",  True,  1024,   4,    1, True,  False),
+        ("loopk-2048w4",         True,  2048,   4,    1, False, False),
+        ("loopk-2048w8+evict",   True,  2048,   8,    1, False, True),
+    ],
+    "scatter": [
+        ("default",              False, None,   None, 1, False, False),
+        ("tile+evict",           False, None,   None, 1, False, True),
+        ("tile-w4",              False, None,   4,    1, False, False),
+        ("tile-tpp2",            False, None,   None, 2, False, False),
+        ("loopk-512w2",          True,  512,    2,    1, False, False),
+        ("loopk-1024w4",         True,  1024,   4,    1, False, False),
+        ("loopk-1024w4+evict",   True,  1024,   4,    1, False, True),
+        ("loopk-1024w4-tpp2",    True,  1024,   4,    2, False, False),
+        ("loopk-2048w4",         True,  2048,   4,    1, False, False),
+        ("loopk-2048w8+evict",   True,  2048,   8,    1, False, True),
+    ],
+}  # fmt: skip
+
+
+def copy_config_candidates(kind: str, k: int, H: int) -> dict[str, CopyConfig]:
+    """Named configurations of a ``kind`` ("scatter" / "gather") launch for k slots and width H,
+    the current default (``_copy_config``) first. Each is valid for any k and H (the tests run
+    every one); benchmarks/sweep_permute_kernels.py times them."""
+    default = _copy_config(kind, k, H)
+    out = {}
+    for name, loop_k, bh, warps, tpp, split_h, evict in _CANDIDATES[kind]:
+        if bh is None:
+            bh = default.block_h
+        elif bh == "half":
+            bh = max(default.block_h // 2, 64)
+        out[name] = CopyConfig(
+            block_h=_fit_block_h(bh, H),
+            num_warps=warps or default.num_warps,
+            loop_k=loop_k,
+            tokens_per_program=tpp,
+            split_h=split_h,
+            evict_first=evict,
+        )
+    return out
 
 
 @triton.jit
@@ -283,6 +424,89 @@ def _zero_rows(
             h = h0 + hx
             ptrs = out_ptr + rows[:, None] * stride_out_r + h[None, :]
             tl.store(ptrs, zeros, mask=r_mask[:, None] & (h < H)[None, :])
+
+
+@triton.jit
+def _scatter_token(
+    t,  # int64 token
+    x_ptr,
+    row_index_ptr,
+    slot_vals_ptr,
+    row_w_ptr,
+    dot_ptr,
+    out_ptr,
+    out_vals_ptr,
+    H,
+    R,
+    stride_x_t,
+    stride_dot_r,
+    stride_out_r,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    COPY_VALS: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOOP_K: tl.constexpr,
+    EVICT: tl.constexpr,  # eviction policy of the one-use streams: "evict_first" or ""
+):
+    """One token of ``_scatter_rows_kernel``: x[t] to its k rows (see there)."""
+    hx = tl.arange(0, BLOCK_H)
+    kx = tl.arange(0, K_PAD)
+    k_mask = kx < K
+    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
+    r_mask = (rows >= 0) & (rows < R)
+    if DOT:
+        acc = tl.zeros((K_PAD,), dtype=tl.float32)
+    if LOOP_K:
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + hx
+            h_mask = h < H
+            x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0, eviction_policy=EVICT)
+            for s in tl.static_range(K):
+                r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
+                ok = (r >= 0) & (r < R)
+                mask = h_mask & ok
+                if WEIGHTED:
+                    w = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(tl.float32)
+                    y = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
+                else:
+                    y = x
+                tl.store(out_ptr + r * stride_out_r + h, y, mask=mask, eviction_policy=EVICT)
+                if DOT:
+                    d = tl.load(
+                        dot_ptr + r * stride_dot_r + h, mask=mask, other=0.0, eviction_policy=EVICT
+                    )
+                    part = tl.sum(d.to(tl.float32) * x.to(tl.float32), axis=0)
+                    acc = tl.where(kx == s, acc + part, acc)
+    else:
+        if WEIGHTED:
+            w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+        out_rows = out_ptr + rows[:, None] * stride_out_r
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + hx
+            h_mask = h < H
+            # x is read by several threads (the broadcast over k): never marked evict_first.
+            x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0)
+            mask = r_mask[:, None] & h_mask[None, :]
+            if WEIGHTED:
+                y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
+            else:
+                y = tl.broadcast_to(x[None, :], (K_PAD, BLOCK_H))
+            tl.store(out_rows + h[None, :], y, mask=mask, eviction_policy=EVICT)
+            if DOT:
+                d = tl.load(
+                    dot_ptr + rows[:, None] * stride_dot_r + h[None, :],
+                    mask=mask,
+                    other=0.0,
+                    eviction_policy=EVICT,
+                )
+                acc += tl.sum(d.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    if COPY_VALS:
+        v = tl.load(slot_vals_ptr + t * K + kx, mask=k_mask, other=0.0)
+        tl.store(out_vals_ptr + rows, v, mask=r_mask)
+    if DOT:
+        tl.store(out_vals_ptr + rows, acc, mask=r_mask)
 
 
 @triton.jit
@@ -318,48 +542,47 @@ def _scatter_rows_kernel(
     TAIL_ROWS: tl.constexpr,
     ZR: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    LOOP_K: tl.constexpr,  # CopyConfig.loop_k
+    TPP: tl.constexpr,  # tokens per program
+    EVICT: tl.constexpr,  # "evict_first" or ""
 ):
-    """Token programs t < T:  for each slot s with r = row_index[t, s] in [0, R):
+    """Token programs (TPP tokens each):  for each slot s with r = row_index[t, s] in [0, R):
         out[r] = x[t] · (row_w[r] if WEIGHTED else 1)
         out_vals[r] = slot_vals[t, s]                       (COPY_VALS)
         out_vals[r] = Σ_h x[t, h] · dot[r, h]  (fp32)        (DOT)
     Then PAD_PROGRAMS programs zeroing rows [start_e + tokens_per_expert[e], end_e) of expert e,
     then tail programs zeroing rows [offsets[E-1], R), TAIL_ROWS rows each from ``tail_lo``."""
     pid = tl.program_id(0)
-    hx = tl.arange(0, BLOCK_H)
-    if pid < T:
-        t = pid.to(tl.int64)
-        kx = tl.arange(0, K_PAD)
-        k_mask = kx < K
-        rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
-        r_mask = (rows >= 0) & (rows < R)
-        if WEIGHTED:
-            w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-        if DOT:
-            acc = tl.zeros((K_PAD,), dtype=tl.float32)
-        out_rows = out_ptr + rows[:, None] * stride_out_r
-        for h0 in range(0, H, BLOCK_H):
-            h = h0 + hx
-            h_mask = h < H
-            x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0)
-            mask = r_mask[:, None] & h_mask[None, :]
-            if WEIGHTED:
-                y = (x.to(tl.float32)[None, :] * w[:, None]).to(out_ptr.dtype.element_ty)
-            else:
-                y = tl.broadcast_to(x[None, :], (K_PAD, BLOCK_H))
-            tl.store(out_rows + h[None, :], y, mask=mask)
-            if DOT:
-                d = tl.load(
-                    dot_ptr + rows[:, None] * stride_dot_r + h[None, :], mask=mask, other=0.0
+    token_programs = tl.cdiv(T, TPP)
+    if pid < token_programs:
+        for i in tl.static_range(TPP):
+            t = pid.to(tl.int64) * TPP + i
+            if t < T:
+                _scatter_token(
+                    t,
+                    x_ptr,
+                    row_index_ptr,
+                    slot_vals_ptr,
+                    row_w_ptr,
+                    dot_ptr,
+                    out_ptr,
+                    out_vals_ptr,
+                    H,
+                    R,
+                    stride_x_t,
+                    stride_dot_r,
+                    stride_out_r,
+                    K,
+                    K_PAD,
+                    COPY_VALS,
+                    WEIGHTED,
+                    DOT,
+                    BLOCK_H,
+                    LOOP_K,
+                    EVICT,
                 )
-                acc += tl.sum(d.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-        if COPY_VALS:
-            v = tl.load(slot_vals_ptr + t * K + kx, mask=k_mask, other=0.0)
-            tl.store(out_vals_ptr + rows, v, mask=r_mask)
-        if DOT:
-            tl.store(out_vals_ptr + rows, acc, mask=r_mask)
-    elif pid < T + PAD_PROGRAMS:
-        e = pid - T
+    elif pid < token_programs + PAD_PROGRAMS:
+        e = pid - token_programs
         end = tl.load(offsets_ptr + e).to(tl.int64)
         start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
         used = tl.load(tokens_per_expert_ptr + e).to(tl.int64)
@@ -375,12 +598,85 @@ def _scatter_rows_kernel(
             BLOCK_H,
         )
     else:
-        lo = tail_lo + (pid - T - PAD_PROGRAMS).to(tl.int64) * TAIL_ROWS
+        lo = tail_lo + (pid - token_programs - PAD_PROGRAMS).to(tl.int64) * TAIL_ROWS
         hi = tl.minimum(lo + TAIL_ROWS, R)
         tail_start = tl.load(offsets_ptr + E - 1).to(tl.int64)
         lo = tl.maximum(lo, tail_start)
         if lo < hi:
             _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
+
+
+@triton.jit
+def _gather_token(
+    t,  # int64 token
+    h_lo,  # H range of this program: [h_lo, h_hi)
+    h_hi,
+    src_ptr,
+    row_index_ptr,
+    row_w_ptr,
+    out_ptr,
+    R,
+    stride_src_r,
+    stride_out_t,
+    K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    LOOP_K: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """One token (and H range) of ``_gather_rows_kernel`` (see there), without out_vals."""
+    hx = tl.arange(0, BLOCK_H)
+    kx = tl.arange(0, K_PAD)
+    k_mask = kx < K
+    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
+    r_mask = (rows >= 0) & (rows < R)
+    if LOOP_K:
+        for h0 in range(h_lo, h_hi, BLOCK_H):
+            h = h0 + hx
+            h_mask = h < h_hi
+            acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for s in tl.static_range(K):
+                r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
+                ok = (r >= 0) & (r < R)
+                y = tl.load(
+                    src_ptr + r * stride_src_r + h,
+                    mask=h_mask & ok,
+                    other=0.0,
+                    eviction_policy=EVICT,
+                ).to(tl.float32)
+                if WEIGHTED:
+                    y = y * tl.load(row_w_ptr + r, mask=ok, other=0.0).to(tl.float32)
+                acc += y
+            tl.store(
+                out_ptr + t * stride_out_t + h,
+                acc.to(out_ptr.dtype.element_ty),
+                mask=h_mask,
+                eviction_policy=EVICT,
+            )
+    else:
+        if WEIGHTED:
+            w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+        src_rows = src_ptr + rows[:, None] * stride_src_r
+        for h0 in range(h_lo, h_hi, BLOCK_H):
+            h = h0 + hx
+            h_mask = h < h_hi
+            y = tl.load(
+                src_rows + h[None, :],
+                mask=r_mask[:, None] & h_mask[None, :],
+                other=0.0,
+                eviction_policy=EVICT,
+            )
+            y = y.to(tl.float32)
+            if WEIGHTED:
+                y = y * w[:, None]
+            acc = tl.sum(y, axis=0)
+            tl.store(
+                out_ptr + t * stride_out_t + h,
+                acc.to(out_ptr.dtype.element_ty),
+                mask=h_mask,
+                eviction_policy=EVICT,
+            )
 
 
 @triton.jit
@@ -393,6 +689,7 @@ def _gather_rows_kernel(
     out_ptr,  # [T, H] out
     out_vals_ptr,  # [T, K] out (GATHER_VALS)
     # sizes
+    T,
     H,
     R,
     # strides
@@ -404,41 +701,53 @@ def _gather_rows_kernel(
     WEIGHTED: tl.constexpr,
     GATHER_VALS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    LOOP_K: tl.constexpr,  # CopyConfig.loop_k
+    TPP: tl.constexpr,  # tokens per program
+    SPLIT_H: tl.constexpr,  # axis 1 of the grid walks the BLOCK_H chunks of H
+    EVICT: tl.constexpr,  # "evict_first" or ""
 ):
     """out[t] = Σ_s src[r_s] · (row_w[r_s] if WEIGHTED else 1), accumulated in fp32, over the slots
     with r_s = row_index[t, s] in [0, R);  out_vals[t, s] = row_vals[r_s] (0 when dropped)."""
-    t = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(0)
+    if SPLIT_H:
+        h_lo = tl.program_id(1) * BLOCK_H
+        h_hi = tl.minimum(h_lo + BLOCK_H, H)
+    else:
+        h_lo = 0
+        h_hi = H
     kx = tl.arange(0, K_PAD)
     k_mask = kx < K
-    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
-    r_mask = (rows >= 0) & (rows < R)
-    if WEIGHTED:
-        w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
-    if GATHER_VALS:
-        v = tl.load(row_vals_ptr + rows, mask=r_mask, other=0.0)
-        tl.store(out_vals_ptr + t * K + kx, v, mask=k_mask)
-    src_rows = src_ptr + rows[:, None] * stride_src_r
-    hx = tl.arange(0, BLOCK_H)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + hx
-        h_mask = h < H
-        y = tl.load(src_rows + h[None, :], mask=r_mask[:, None] & h_mask[None, :], other=0.0)
-        y = y.to(tl.float32)
-        if WEIGHTED:
-            y = y * w[:, None]
-        acc = tl.sum(y, axis=0)
-        tl.store(out_ptr + t * stride_out_t + h, acc.to(out_ptr.dtype.element_ty), mask=h_mask)
+    for i in tl.static_range(TPP):
+        t = pid.to(tl.int64) * TPP + i
+        if t < T:
+            if GATHER_VALS:  # noqa: SIM102 (a static branch around a runtime one)
+                if tl.program_id(1) == 0:  # once per token, also when H is split
+                    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1)
+                    r_mask = (rows >= 0) & (rows < R)
+                    v = tl.load(row_vals_ptr + rows.to(tl.int64), mask=r_mask, other=0.0)
+                    tl.store(out_vals_ptr + t * K + kx, v, mask=k_mask)
+            _gather_token(
+                t,
+                h_lo,
+                h_hi,
+                src_ptr,
+                row_index_ptr,
+                row_w_ptr,
+                out_ptr,
+                R,
+                stride_src_r,
+                stride_out_t,
+                K,
+                K_PAD,
+                WEIGHTED,
+                BLOCK_H,
+                LOOP_K,
+                EVICT,
+            )
 
 
-def _copy_config(k: int, H: int) -> tuple[int, int, int]:
-    """(K_PAD, BLOCK_H, num_warps) for a [K_PAD, BLOCK_H] tile of about _TILE_ELEMS elements."""
-    k_pad = triton.next_power_of_2(max(k, 1))
-    block_h = min(triton.next_power_of_2(max(H, 1)), max(_TILE_ELEMS // k_pad, 64))
-    # Split H evenly rather than leave a mostly-masked last chunk (H = 7168 → 1024, not 4096).
-    while block_h > 256 and H % block_h and H % block_h < block_h // 2:
-        block_h //= 2
-    num_warps = 8 if k_pad * block_h >= 4096 else 4
-    return k_pad, block_h, num_warps
+def _evict(config: CopyConfig) -> str:
+    return "evict_first" if config.evict_first else ""
 
 
 def scatter_rows(
@@ -455,6 +764,7 @@ def scatter_rows(
     zero_padding: bool = True,
     pad_programs: bool = True,
     tail_lo: int = 0,
+    config: CopyConfig | None = None,  # None: _copy_config("scatter", k, H)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Write each token's row to its k destinations (reading it once); zero padding and tail rows.
 
@@ -472,11 +782,11 @@ def scatter_rows(
     out_vals = (
         torch.empty(R, dtype=out_vals_dtype or torch.float32, device=x.device) if has_vals else None
     )
-    k_pad, block_h, num_warps = _copy_config(k, H)
-    zr = max(_TILE_ELEMS // block_h, 1)
+    cfg = config or _copy_config("scatter", k, H)
+    zr = max(_TILE_ELEMS // cfg.block_h, 1)
     pad_n = E if (zero_padding and pad_programs) else 0
     tail_n = triton.cdiv(max(R - tail_lo, 0), _TAIL_ROWS) if zero_padding else 0
-    grid = (T + pad_n + tail_n,)
+    grid = (triton.cdiv(T, cfg.tokens_per_program) + pad_n + tail_n,)
     if grid[0] == 0:
         return out, out_vals
     dummy = out  # never dereferenced when its flag is off
@@ -499,7 +809,7 @@ def scatter_rows(
         dot_src.stride(0) if dot_src is not None else 0,
         out.stride(0),
         K=k,
-        K_PAD=k_pad,
+        K_PAD=triton.next_power_of_2(max(k, 1)),
         COPY_VALS=slot_vals is not None,
         WEIGHTED=row_weight is not None,
         DOT=dot_src is not None,
@@ -507,8 +817,11 @@ def scatter_rows(
         PAD_PROGRAMS=pad_n,
         TAIL_ROWS=_TAIL_ROWS,
         ZR=zr,
-        BLOCK_H=block_h,
-        num_warps=num_warps,
+        BLOCK_H=cfg.block_h,
+        LOOP_K=cfg.loop_k,
+        TPP=cfg.tokens_per_program,
+        EVICT=_evict(cfg),
+        num_warps=cfg.num_warps,
     )
     return out, out_vals
 
@@ -520,6 +833,7 @@ def gather_rows(
     row_weight: torch.Tensor | None = None,  # [R]
     row_vals: torch.Tensor | None = None,  # [R] → out_vals [T, k]
     out_dtype: torch.dtype | None = None,
+    config: CopyConfig | None = None,  # None: _copy_config("gather", k, H)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum each token's k rows in fp32 (weighted by ``row_weight`` when given).
 
@@ -536,24 +850,33 @@ def gather_rows(
     )
     if T == 0:
         return out, out_vals
-    k_pad, block_h, num_warps = _copy_config(k, H)
+    cfg = config or _copy_config("gather", k, H)
+    grid = (
+        triton.cdiv(T, cfg.tokens_per_program),
+        triton.cdiv(max(H, 1), cfg.block_h) if cfg.split_h else 1,
+    )
     dummy = out
-    _gather_rows_kernel[(T,)](
+    _gather_rows_kernel[grid](
         src,
         row_index,
         row_weight if row_weight is not None else dummy,
         row_vals if row_vals is not None else dummy,
         out,
         out_vals if out_vals is not None else dummy,
+        T,
         H,
         R,
         src.stride(0),
         out.stride(0),
         K=k,
-        K_PAD=k_pad,
+        K_PAD=triton.next_power_of_2(max(k, 1)),
         WEIGHTED=row_weight is not None,
         GATHER_VALS=row_vals is not None,
-        BLOCK_H=block_h,
-        num_warps=num_warps,
+        BLOCK_H=cfg.block_h,
+        LOOP_K=cfg.loop_k,
+        TPP=cfg.tokens_per_program,
+        SPLIT_H=cfg.split_h,
+        EVICT=_evict(cfg),
+        num_warps=cfg.num_warps,
     )
     return out, out_vals

@@ -145,3 +145,90 @@ def test_benchmark_permute_smoke(tmp_path):
     assert len(cells) == 8  # align None and 16, both ops, both passes
     if torch.cuda.is_available():  # on a GPU the profiler's times must be there too
         assert all(r["gpu_us"] is not None for r in out["rows"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["scatter", "gather"])
+def test_every_copy_config_candidate(kind, dtype):
+    # The sweep (benchmarks/sweep_permute_kernels.py) times these configs, and the best one may
+    # become the default: each must give the reference result with the flag sets the ops use.
+    # T odd (a half-empty last program with 2 tokens per program), k = 3 (K_PAD = 4), H = 1100
+    # (several 512/1024-wide chunks, the last one partial), dropped slots and padding rows.
+    T, k, E, H, align = 13, 3, 5, 1100, 8
+    indices = torch.randint(0, E, (T, k), device=DEVICE)
+    indices[::4, 1] = -1
+    row_index, tpe, _, offsets = kern.routing_metadata(indices, E, align)
+    R = T * k + min(E, T * k) * (align - 1)
+    rows = row_index.long()
+    keep = rows >= 0
+    safe = torch.where(keep, rows, 0)
+    x = torch.randn(T, H, device=DEVICE).to(dtype)
+    src = torch.randn(R, H, device=DEVICE).to(dtype)
+    slot_vals = torch.rand(T, k, device=DEVICE)
+    row_w = torch.rand(R, device=DEVICE)
+    cands = kern.copy_config_candidates(kind, k, H)
+    assert next(iter(cands)) == "default" and cands["default"] == kern._copy_config(kind, k, H)
+    assert len(set(cands.values())) == len(cands) >= 8  # no duplicates after fitting to H
+    for name, cfg in cands.items():
+        msg = f"{kind} candidate {name}: {cfg}"
+        if kind == "scatter":
+            # permute forward: rows and probs, padding and tail zeroed
+            out, vals = kern.scatter_rows(
+                x, row_index, R, offsets, tpe, slot_vals=slot_vals, config=cfg
+            )
+            want, want_vals = ref.scatter_rows_torch(x, row_index, R, slot_vals)
+            torch.testing.assert_close(out, want, rtol=0, atol=0, msg=msg)
+            torch.testing.assert_close(vals, want_vals, rtol=0, atol=0, msg=msg)
+            # unpermute backward: rows scaled by their weight, the prob gradient as a dot
+            out, dots = kern.scatter_rows(
+                x, row_index, R, offsets, tpe, row_weight=row_w, dot_src=src, config=cfg
+            )
+            scaled = (x.float()[:, None] * row_w[safe][..., None]).to(dtype)
+            want = torch.zeros(R, H, device=DEVICE, dtype=dtype)
+            want[rows[keep]] = scaled[keep]
+            want_dots = torch.zeros(R, device=DEVICE)
+            want_dots[rows[keep]] = (x.float()[:, None] * src.float()[safe]).sum(-1)[keep]
+            torch.testing.assert_close(out, want, rtol=0, atol=0, msg=msg)
+            torch.testing.assert_close(dots, want_dots, rtol=1e-4, atol=1e-3, msg=msg)
+        else:
+            # unpermute forward: weighted sum in fp32
+            out, _ = kern.gather_rows(src, row_index, row_weight=row_w, config=cfg)
+            want = ref.gather_rows_torch(src, row_index, row_w)
+            torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3, msg=msg)
+            # permute backward: unweighted sum, the probs' gradient gathered alongside
+            out, vals = kern.gather_rows(src, row_index, row_vals=row_w, config=cfg)
+            want = ref.gather_rows_torch(src, row_index)
+            torch.testing.assert_close(out, want, rtol=2e-3, atol=2e-3, msg=msg)
+            want_vals = torch.where(keep, row_w[safe], 0.0)
+            torch.testing.assert_close(vals, want_vals, rtol=0, atol=0, msg=msg)
+
+
+def test_every_meta_config_candidate():
+    # The sweep times these metadata variants (block size, warps, scan tiles); each must give the
+    # reference result. N = 600 pairs: 5 blocks of 128, 3 of 256, 2 of 512 (the last ones partly
+    # masked), one of 2048; dropped slots (−1) in most blocks.
+    T, k, E, align = 200, 3, 13, 16
+    indices = torch.randint(-1, E, (T, k), device=DEVICE)
+    want = ref.routing_metadata_torch(indices, E, align)
+    cands = kern.meta_config_candidates(T * k)
+    assert next(iter(cands)) == "default" and cands["default"] == kern._meta_config(T * k)
+    assert {c.block_n for c in cands.values()} >= {128, 256, 512, 2048}
+    for name, cfg in cands.items():
+        got = kern.routing_metadata(indices, E, align, config=cfg)
+        for label, g, w in zip(("row_index", "tokens_per_expert", "counts", "offsets"), got, want):
+            torch.testing.assert_close(g, w, rtol=0, atol=0, msg=f"{name} {cfg}: {label}")
+
+
+def test_sweep_smoke(tmp_path):
+    # The config sweep on tiny shapes (four candidates per kernel, copy section): every candidate
+    # passes its check against the default and gets a time.
+    import json
+
+    sweep = _load_benchmark("sweep_permute_kernels")
+    assert sweep.main(["--smoke", "--sections", "copy", "--out", str(tmp_path)]) == 0
+    out = json.loads((tmp_path / "permute_sweep.json").read_text())
+    assert len(out["copy"]) == 2
+    for shape in out["copy"]:
+        assert set(shape["uses"]) == set(sweep.USES)
+        for res in shape["uses"].values():
+            assert res["errors"] == {} and len(res["cells"]) == 4 and res["default"] is not None
