@@ -34,6 +34,7 @@ from moekit.kernels.grouped_gemm import (
     _pick_config,
     _ragged_m_schedule,
     _ragged_m_tile,
+    _ragged_rows_desc,
 )
 
 # activation codes (constexpr ACT); names as in moekit.reference.activations
@@ -107,6 +108,27 @@ def _gate_cols(f, I):
 
 
 @triton.jit
+def _ragged_glu_desc(ptr, R, F, I, stride, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_C: tl.constexpr):  # fmt: skip
+    """Descriptor over a [R, W1] pre-activation (or its gradient) that clips rows at a
+    per-access expert end (the ``_ragged_rows_desc`` trick) and columns at each GLU block.
+
+    5-D: [R + 1, BIG, F / I, PARTS, I] with strides [stride, stride, PARTS·I, I, 1], PARTS = 2
+    (gate, up) for gated activations and 1 otherwise. The gate columns of F-units [f, f + C)
+    are block (f // I, 0, f % I), the up columns (f // I, 1, f % I); with halves (I = F) the
+    TMA bound clips a tile's tail at F instead of spilling into the up half.
+    """
+    PARTS: tl.constexpr = 2 if GATED else 1
+    big = R + BLOCK_M
+    return tl.make_tensor_descriptor(
+        ptr - big.to(tl.int64) * stride,
+        shape=[R + 1, big, F // I, PARTS, I],
+        strides=[stride, stride, PARTS * I, I, 1],
+        block_shape=[1, BLOCK_M, 1, 1, BLOCK_C],
+    )
+
+
+@triton.jit
 def _grouped_mlp_fc1_kernel(
     x_ptr,  # [R, H]
     w1_ptr,  # [E, W1, H] with W1 = 2F (gated) or F; unit stride along H
@@ -149,6 +171,9 @@ def _grouped_mlp_fc1_kernel(
             block_shape=[1, BLOCK_N, BLOCK_K],
         )
 
+    h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, GATED, BLOCK_M, BLOCK_N)
+    a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, BLOCK_N)
+
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
@@ -170,30 +195,69 @@ def _grouped_mlp_fc1_kernel(
                 wg = w_desc.load([e, off_f, off_k]).reshape(BLOCK_N, BLOCK_K)
                 acc_g = tl.dot(xa, tl.trans(wg), acc_g)
 
-        rows = off_m + tl.arange(0, BLOCK_M)
         f = off_f + tl.arange(0, BLOCK_N)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & (f < F)[None, :]
-        if GATED:
-            gcol = _gate_cols(f, I)
-        else:
-            gcol = f
         if HAS_BIAS:
+            gcol = _gate_cols(f, I) if GATED else f
             bias_row = b1_ptr + e.to(tl.int64) * stride_b1
             acc_g += tl.load(bias_row + gcol, mask=f < F, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_u += tl.load(bias_row + gcol + I, mask=f < F, other=0.0).to(tl.float32)[None, :]
+        # TMA stores clipped at the expert's end (rows) and at F (columns of each GLU block)
+        r0 = off_m - row_end + R + BLOCK_M
         if STORE_H:
-            h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-            tl.store(h_rows + gcol[None, :], acc_g.to(dtype), mask=mask)
+            hg = acc_g.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_N)
+            h_desc.store([row_end, r0, chunk, 0, within], hg)
             if GATED:
-                tl.store(h_rows + (gcol + I)[None, :], acc_u.to(dtype), mask=mask)
+                hu = acc_u.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_N)
+                h_desc.store([row_end, r0, chunk, 1, within], hu)
         out = _act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA, OFFSET)
         if HAS_PROBS:
-            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+            rows = off_m + tl.arange(0, BLOCK_M)
+            p = tl.load(probs_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
             out = out * p[:, None]
-        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
-        tl.store(a_ptrs, out.to(dtype), mask=mask)
+        a_desc.store([row_end, r0, off_f], out.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+
+
+@triton.jit
+def _dact_epilogue(
+    acc, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """One [BLOCK_M, BLOCK_C] slice of the dact epilogue; returns its dprobs partial [BLOCK_M].
+
+    Rows past the expert's end load h = 0 and are dropped by the stores; columns past F load
+    h = 0 and da = 0 (w2 is clipped at F). act(0) = 0 for every activation, so neither adds to
+    the dprobs partial: no masks needed.
+    """
+    dtype = dh_desc.dtype
+    r0 = off_m - row_end + R + BLOCK_M
+    fb = off_f // I
+    fi = off_f % I
+    hg = h_desc.load([row_end, r0, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+    if GATED:
+        hu = h_desc.load([row_end, r0, fb, 1, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+    else:
+        hu = hg
+    if HAS_PROBS:
+        rows = off_m + tl.arange(0, BLOCK_M)
+        p = tl.load(probs_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
+        d = acc * p[:, None]
+    else:
+        d = acc
+    act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
+    dh_desc.store([row_end, r0, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+    if GATED:
+        dh_desc.store([row_end, r0, fb, 1, fi], du.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    if HAS_PROBS:
+        part = tl.sum(acc * act, axis=1)
+        if STORE_A:
+            act = act * p[:, None]
+    if STORE_A:
+        a_desc.store([row_end, r0, off_f], act.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
+    return part
 
 
 @triton.jit
@@ -212,9 +276,8 @@ def _grouped_mlp_dact_kernel(
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
-    dtype = dh_ptr.dtype.element_ty
     pid = tl.program_id(0)
     offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
         offsets_ptr, E, R, BLOCK_M, BLOCK_E
@@ -230,6 +293,12 @@ def _grouped_mlp_dact_kernel(
         strides=[stride_w2_e, stride_w2_h, 1],
         block_shape=[1, BLOCK_K, BLOCK_N],
     )
+    # The epilogue works on column slices of EPI_N (two halves with SUBTILE: fewer live
+    # registers), through TMA: bulk h loads and dh / a stores clipped at the expert's end.
+    EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, GATED, BLOCK_M, EPI_N)
+    dh_desc = _ragged_glu_desc(dh_ptr, R, F, I, stride_dh, GATED, BLOCK_M, EPI_N)
+    a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, EPI_N)
 
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = _ragged_m_tile(
@@ -243,38 +312,24 @@ def _grouped_mlp_dact_kernel(
             w = w_desc.load([e, off_k, off_f]).reshape(BLOCK_K, BLOCK_N)
             acc = tl.dot(g, w, acc)
 
-        rows = off_m + tl.arange(0, BLOCK_M)
-        f = off_f + tl.arange(0, BLOCK_N)
-        row_ok = rows < row_end
-        mask = row_ok[:, None] & (f < F)[None, :]
-        if GATED:
-            gcol = _gate_cols(f, I)
+        if SUBTILE:
+            acc0, acc1 = tl.split(acc.reshape(BLOCK_M, 2, EPI_N).permute(0, 2, 1))
+            part = _dact_epilogue(
+                acc0, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
+            )  # fmt: skip
+            part += _dact_epilogue(
+                acc1, off_m, row_end, off_f + EPI_N, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
+            )  # fmt: skip
         else:
-            gcol = f
-        h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-        hg = tl.load(h_rows + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
-        if GATED:
-            hu = tl.load(h_rows + (gcol + I)[None, :], mask=mask, other=0.0).to(tl.float32)
-        else:
-            hu = hg
+            part = _dact_epilogue(
+                acc, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
+            )  # fmt: skip
         if HAS_PROBS:
-            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
-            d = acc * p[:, None]
-        else:
-            d = acc
-        act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
-        dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dh
-        tl.store(dh_rows + gcol[None, :], dg.to(dtype), mask=mask)
-        if GATED:
-            tl.store(dh_rows + (gcol + I)[None, :], du.to(dtype), mask=mask)
-        if HAS_PROBS:
-            part = tl.sum(tl.where(mask, acc * act, 0.0), axis=1)
-            tl.store(dprobs_part_ptr + pid_n * stride_part + rows, part, mask=row_ok)
-            if STORE_A:
-                act = act * p[:, None]
-        if STORE_A:
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
-            tl.store(a_ptrs, act.to(dtype), mask=mask)
+            rows = off_m + tl.arange(0, BLOCK_M)
+            tl.store(dprobs_part_ptr + pid_n * stride_part + rows, part, mask=rows < row_end)
 
     if HAS_PROBS:
         # Rows past offsets[-1] belong to no expert: their partials are zero (prob grad 0).
@@ -320,7 +375,7 @@ def _segment_colsum_kernel(
 # --------------------------------------------------------------------------------------------
 
 # BLOCK_N counts F-columns: a gated fc1 tile holds 2 * BLOCK_N accumulator columns.
-_INTERPRET_CONFIG = GemmConfig(32, 16, 32, group_m=2, num_warps=4, num_stages=1)
+_INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
 _FC1_GATED_CANDIDATES = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
@@ -397,7 +452,7 @@ def grouped_mlp_fc1(
             probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
             R, H, F, E, interleave or F,
             x.stride(0), w1.stride(0), w1.stride(1),
-            h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
+            h_out.stride(0) if h_out is not None else F, a_out.stride(0),  # (valid if unused)
             b1.stride(0) if b1 is not None else 0,
             GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
             HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None, STORE_H=h_out is not None,
@@ -456,12 +511,13 @@ def grouped_mlp_dact(
             offsets,
             R, H, F, E, interleave or F,
             dy.stride(0), w2.stride(0), w2.stride(1), h.stride(0), dh_out.stride(0),
-            part.stride(0) if part is not None else 0, a_out.stride(0) if a_out is not None else 0,
+            part.stride(0) if part is not None else 0,
+            a_out.stride(0) if a_out is not None else F,  # a valid (unused) descriptor stride
             GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
             HAS_PROBS=probs is not None, STORE_A=a_out is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten,
+            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten, SUBTILE=cfg.block_n >= 32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         return part
