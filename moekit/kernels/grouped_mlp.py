@@ -108,22 +108,20 @@ def _gate_cols(f, I):
 
 
 @triton.jit
-def _ragged_glu_desc(ptr, R, F, I, stride, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_C: tl.constexpr):  # fmt: skip
-    """Descriptor over a [R, W1] pre-activation (or its gradient) that clips rows at a
+def _ragged_glu_desc(ptr, R, F, I, stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Descriptor over a gated [R, 2F] pre-activation (or its gradient) that clips rows at a
     per-access expert end (the ``_ragged_rows_desc`` trick) and columns at each GLU block.
 
-    5-D: [R + 1, BIG, F / I, PARTS, I] with strides [stride, stride, PARTS·I, I, 1], PARTS = 2
-    (gate, up) for gated activations and 1 otherwise. The gate columns of F-units [f, f + C)
-    are block (f // I, 0, f % I), the up columns (f // I, 1, f % I); with halves (I = F) the
-    TMA bound clips a tile's tail at F instead of spilling into the up half.
+    5-D: [R + 1, BIG, F / I, 2, I] with strides [stride, stride, 2I, I, 1]. The gate columns
+    of F-units [f, f + C) are block (f // I, 0, f % I), the up columns (f // I, 1, f % I); with
+    halves (I = F) the TMA bound clips a tile's tail at F instead of spilling into the up half.
+    (Ungated tensors [R, F] use the 3-D ``_ragged_rows_desc``.)
     """
-    PARTS: tl.constexpr = 2 if GATED else 1
     big = R + BLOCK_M
     return tl.make_tensor_descriptor(
         ptr - big.to(tl.int64) * stride,
-        shape=[R + 1, big, F // I, PARTS, I],
-        strides=[stride, stride, PARTS * I, I, 1],
+        shape=[R + 1, big, F // I, 2, I],
+        strides=[stride, stride, 2 * I, I, 1],
         block_shape=[1, BLOCK_M, 1, 1, BLOCK_C],
     )
 
@@ -171,9 +169,6 @@ def _grouped_mlp_fc1_kernel(
             block_shape=[1, BLOCK_N, BLOCK_K],
         )
 
-    h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, GATED, BLOCK_M, BLOCK_N)
-    a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, BLOCK_N)
-
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
@@ -195,27 +190,30 @@ def _grouped_mlp_fc1_kernel(
                 wg = w_desc.load([e, off_f, off_k]).reshape(BLOCK_N, BLOCK_K)
                 acc_g = tl.dot(xa, tl.trans(wg), acc_g)
 
+        rows = off_m + tl.arange(0, BLOCK_M)
         f = off_f + tl.arange(0, BLOCK_N)
+        row_ok = rows < row_end
+        mask = row_ok[:, None] & (f < F)[None, :]
+        if GATED:
+            gcol = _gate_cols(f, I)
+        else:
+            gcol = f
         if HAS_BIAS:
-            gcol = _gate_cols(f, I) if GATED else f
             bias_row = b1_ptr + e.to(tl.int64) * stride_b1
             acc_g += tl.load(bias_row + gcol, mask=f < F, other=0.0).to(tl.float32)[None, :]
             if GATED:
                 acc_u += tl.load(bias_row + gcol + I, mask=f < F, other=0.0).to(tl.float32)[None, :]
-        # TMA stores clipped at the expert's end (rows) and at F (columns of each GLU block)
-        r0 = off_m - row_end + R + BLOCK_M
         if STORE_H:
-            hg = acc_g.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_N)
-            h_desc.store([row_end, r0, chunk, 0, within], hg)
+            h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+            tl.store(h_rows + gcol[None, :], acc_g.to(dtype), mask=mask)
             if GATED:
-                hu = acc_u.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_N)
-                h_desc.store([row_end, r0, chunk, 1, within], hu)
+                tl.store(h_rows + (gcol + I)[None, :], acc_u.to(dtype), mask=mask)
         out = _act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA, OFFSET)
         if HAS_PROBS:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            p = tl.load(probs_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
+            p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             out = out * p[:, None]
-        a_desc.store([row_end, r0, off_f], out.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
+        tl.store(a_ptrs, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -235,10 +233,11 @@ def _dact_epilogue(
     r0 = off_m - row_end + R + BLOCK_M
     fb = off_f // I
     fi = off_f % I
-    hg = h_desc.load([row_end, r0, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
     if GATED:
+        hg = h_desc.load([row_end, r0, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
         hu = h_desc.load([row_end, r0, fb, 1, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
     else:
+        hg = h_desc.load([row_end, r0, off_f]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
         hu = hg
     if HAS_PROBS:
         rows = off_m + tl.arange(0, BLOCK_M)
@@ -247,9 +246,11 @@ def _dact_epilogue(
     else:
         d = acc
     act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
-    dh_desc.store([row_end, r0, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
     if GATED:
+        dh_desc.store([row_end, r0, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
         dh_desc.store([row_end, r0, fb, 1, fi], du.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+    else:
+        dh_desc.store([row_end, r0, off_f], dg.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
     part = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if HAS_PROBS:
         part = tl.sum(acc * act, axis=1)
@@ -296,8 +297,12 @@ def _grouped_mlp_dact_kernel(
     # The epilogue works on column slices of EPI_N (two halves with SUBTILE: fewer live
     # registers), through TMA: bulk h loads and dh / a stores clipped at the expert's end.
     EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
-    h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, GATED, BLOCK_M, EPI_N)
-    dh_desc = _ragged_glu_desc(dh_ptr, R, F, I, stride_dh, GATED, BLOCK_M, EPI_N)
+    if GATED:
+        h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, BLOCK_M, EPI_N)
+        dh_desc = _ragged_glu_desc(dh_ptr, R, F, I, stride_dh, BLOCK_M, EPI_N)
+    else:
+        h_desc = _ragged_rows_desc(h_ptr, R, F, stride_h, BLOCK_M, EPI_N)
+        dh_desc = _ragged_rows_desc(dh_ptr, R, F, stride_dh, BLOCK_M, EPI_N)
     a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, EPI_N)
 
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
@@ -452,7 +457,7 @@ def grouped_mlp_fc1(
             probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
             R, H, F, E, interleave or F,
             x.stride(0), w1.stride(0), w1.stride(1),
-            h_out.stride(0) if h_out is not None else F, a_out.stride(0),  # (valid if unused)
+            h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
             b1.stride(0) if b1 is not None else 0,
             GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
             HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None, STORE_H=h_out is not None,
