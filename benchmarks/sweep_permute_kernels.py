@@ -205,7 +205,7 @@ def sweep_shape(timer, device, T, H, k, E, copy_gbs, max_candidates, dtype=torch
     }  # fmt: skip
     results = {}
     for use, (launch, kind, nbytes, copies, exact) in uses.items():
-        cands = kern.copy_config_candidates(kind, k, H)
+        cands = kern.copy_config_candidates(kind, k, H, dot=use == "scatter/unpermute_bwd")
         names = _pick(list(cands), max_candidates)
         want = launch(0, cands["default"])
         cells, errors = {}, {}

@@ -47,7 +47,8 @@ import triton.language as tl
 _SCAN_BLOCK_E = 8
 _SCAN_BLOCK_B = 512
 # Rows per zero-fill program of the tail, and rows per inner step.
-_TAIL_ROWS = 512
+_TAIL_ROWS = 64  # rows per tail zero-fill program
+_PAD_CHUNK = 16  # rows per padding zero-fill program (with a known bound, align − 1)
 # Elements per [k, BLOCK_H] tile of the copy kernels.
 _TILE_ELEMS = 8192
 
@@ -182,12 +183,23 @@ class MetaConfig:
 
 
 def _meta_config(n: int) -> MetaConfig:
+    """Metadata launch configuration for N = T·k pairs.
+
+    256-pair blocks on one warp (no barriers in the sort, ~4× the blocks for the scan) took the
+    metadata at T=65536, E=256, k=8 from 34.9 to 19.6 µs on an H100 (the sweep's
+    "bn256-w1-scan-e4-b2048"); small N keeps the older ~512-block default.
+    """
+    if n >= 1 << 16:
+        return MetaConfig(
+            block_n=256, hist_warps=1, rows_warps=1, scan_block_e=4, scan_block_b=2048
+        )
     return MetaConfig(block_n=_meta_block(n))
 
 
-# name → fields that differ from the default (whose block_n depends on N: 1024 at N = 2^19).
+# name → fields that differ from the ~512-block base (block_n 1024 at N = 2^19); "default" (what
+# _meta_config picks) is listed first by meta_config_candidates.
 _META_CANDIDATES = {
-    "default": {},
+    "bn-auto": {},
     "rows-w2": {"rows_warps": 2},
     "rows-w8": {"rows_warps": 8},
     "scan-e4": {"scan_block_e": 4},
@@ -210,8 +222,13 @@ _META_CANDIDATES = {
 def meta_config_candidates(n: int) -> dict[str, MetaConfig]:
     """Named metadata configurations for N = T·k pairs, the default first; each is valid for any N
     (the tests run every one)."""
-    default = _meta_config(n)
-    return {name: replace(default, **fields) for name, fields in _META_CANDIDATES.items()}
+    base = MetaConfig(block_n=_meta_block(n))
+    out = {"default": _meta_config(n)}
+    for name, fields in _META_CANDIDATES.items():
+        cfg = replace(base, **fields)
+        if cfg not in out.values():
+            out[name] = cfg
+    return out
 
 
 def routing_metadata_launches(
@@ -343,19 +360,41 @@ def _fit_block_h(block_h: int, H: int) -> int:
     return block_h
 
 
-def _copy_config(kind: str, k: int, H: int) -> CopyConfig:
-    """The configuration of a ``kind`` ("scatter" or "gather") launch: a [K_PAD, BLOCK_H] tile of
-    about _TILE_ELEMS elements, 8 warps from 4096 elements up."""
+def _tile_config(k: int, H: int) -> CopyConfig:
+    """A [K_PAD, BLOCK_H] tile of about _TILE_ELEMS elements, 8 warps from 4096 elements up."""
     k_pad = triton.next_power_of_2(max(k, 1))
     block_h = _fit_block_h(max(_TILE_ELEMS // k_pad, 64), H)
     return CopyConfig(block_h=block_h, num_warps=8 if k_pad * block_h >= 4096 else 4)
+
+
+def _copy_config(kind: str, k: int, H: int, dot: bool = False) -> CopyConfig:
+    """The configuration of a ``kind`` ("scatter" or "gather") launch; ``dot``: the scatter of
+    unpermute's backward (weighted rows and the prob-gradient dot).
+
+    From the sweep on an H100 (benchmarks/sweep_permute_kernels.py, T ∈ {4096, 65536},
+    H ∈ {2048, 4096, 7168}): at k = 8 the gather's [8, BLOCK_H] tile reduces across warps
+    through shared memory and reached 66-77% of copy bandwidth, while a loop over the k rows
+    into a 1-D fp32 accumulator (loop_k, 2048-wide, 4 warps) reached the copy rate (1.6-1.8×);
+    the weighted scatter gains 5-25% from 4 warps at k = 8; the plain scatter at k = 2 and
+    H ≤ 4096 gains up to 16% from loop_k with evict-first stores. Elsewhere the tile is best.
+    """
+    tile = _tile_config(k, H)
+    if kind == "gather":
+        if k >= 4:
+            return CopyConfig(block_h=_fit_block_h(2048, H), num_warps=4, loop_k=True)
+        return tile
+    if dot:
+        return replace(tile, num_warps=4) if k >= 4 else tile
+    if k <= 2 and H <= 4096:
+        return CopyConfig(block_h=_fit_block_h(2048, H), num_warps=8, loop_k=True, evict_first=True)
+    return tile
 
 
 # Candidates per kernel: name, loop_k, block_h (None: the default's; "half": half of it), num_warps
 # (None: the default's), tokens_per_program, split_h, evict_first. block_h is fitted to H.
 _CANDIDATES = {
     "gather": [
-        ("default",              False, None,   None, 1, False, False),
+        ("tile",                 False, None,   None, 1, False, False),
         ("tile+evict",           False, None,   None, 1, False, True),
         ("tile/2-w4",            False, "half", 4,    1, False, False),
         ("loopk-512w2",          True,  512,    2,    1, False, False),
@@ -367,7 +406,7 @@ _CANDIDATES = {
         ("loopk-2048w8+evict",   True,  2048,   8,    1, False, True),
     ],
     "scatter": [
-        ("default",              False, None,   None, 1, False, False),
+        ("tile",                 False, None,   None, 1, False, False),
         ("tile+evict",           False, None,   None, 1, False, True),
         ("tile-w4",              False, None,   4,    1, False, False),
         ("tile-tpp2",            False, None,   None, 2, False, False),
@@ -381,25 +420,27 @@ _CANDIDATES = {
 }  # fmt: skip
 
 
-def copy_config_candidates(kind: str, k: int, H: int) -> dict[str, CopyConfig]:
+def copy_config_candidates(kind: str, k: int, H: int, dot: bool = False) -> dict[str, CopyConfig]:
     """Named configurations of a ``kind`` ("scatter" / "gather") launch for k slots and width H,
     the current default (``_copy_config``) first. Each is valid for any k and H (the tests run
     every one); benchmarks/sweep_permute_kernels.py times them."""
-    default = _copy_config(kind, k, H)
-    out = {}
+    tile = _tile_config(k, H)
+    out = {"default": _copy_config(kind, k, H, dot=kind == "scatter" and dot)}
     for name, loop_k, bh, warps, tpp, split_h, evict in _CANDIDATES[kind]:
         if bh is None:
-            bh = default.block_h
+            bh = tile.block_h
         elif bh == "half":
-            bh = max(default.block_h // 2, 64)
-        out[name] = CopyConfig(
+            bh = max(tile.block_h // 2, 64)
+        cfg = CopyConfig(
             block_h=_fit_block_h(bh, H),
-            num_warps=warps or default.num_warps,
+            num_warps=warps or tile.num_warps,
             loop_k=loop_k,
             tokens_per_program=tpp,
             split_h=split_h,
             evict_first=evict,
         )
+        if cfg not in out.values():  # the default is one of them, or two fit H alike
+            out[name] = cfg
     return out
 
 
@@ -541,7 +582,10 @@ def _scatter_rows_kernel(
     WEIGHTED: tl.constexpr,
     DOT: tl.constexpr,
     HAS_VALS: tl.constexpr,  # COPY_VALS or DOT: out_vals exists and its padding is zeroed too
-    PAD_PROGRAMS: tl.constexpr,  # E programs zeroing the padding rows of each expert, or 0
+    PAD_PROGRAMS: tl.constexpr,  # E·PAD_SPLIT programs zeroing expert padding rows, or 0
+    PAD_SPLIT: tl.constexpr,  # programs per expert's padding (PAD_CHUNK rows each), or 1: all
+    PAD_CHUNK: tl.constexpr,
+    TAIL_PROGRAMS,  # programs zeroing rows [offsets[E-1], R), TAIL_ROWS each from tail_lo
     TAIL_ROWS: tl.constexpr,
     ZR: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -553,13 +597,33 @@ def _scatter_rows_kernel(
         out[r] = x[t] · (row_w[r] if WEIGHTED else 1)
         out_vals[r] = slot_vals[t, s]                       (COPY_VALS)
         out_vals[r] = Σ_h x[t, h] · dot[r, h]  (fp32)        (DOT)
-    Then PAD_PROGRAMS programs zeroing rows [start_e + tokens_per_expert[e], end_e) of expert e,
-    then tail programs zeroing rows [offsets[E-1], R), TAIL_ROWS rows each from ``tail_lo``."""
+    Before them: PAD_PROGRAMS programs zeroing rows [start_e + tokens_per_expert[e], end_e) of
+    expert e (PAD_SPLIT per expert, PAD_CHUNK rows each), then TAIL_PROGRAMS zeroing rows
+    [offsets[E-1], R), TAIL_ROWS rows each from ``tail_lo``."""
+    # Zero-fill programs come first, so that they start with the first wave and never trail the
+    # copies as a one-SM tail; each zeroes at most PAD_CHUNK / TAIL_ROWS rows.
     pid = tl.program_id(0)
-    token_programs = tl.cdiv(T, TPP)
-    if pid < token_programs:
+    if pid < PAD_PROGRAMS:
+        e = pid // PAD_SPLIT
+        end = tl.load(offsets_ptr + e).to(tl.int64)
+        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
+        lo = start + tl.load(tokens_per_expert_ptr + e).to(tl.int64)
+        if PAD_SPLIT > 1:
+            lo += (pid % PAD_SPLIT) * PAD_CHUNK
+            hi = tl.minimum(lo + PAD_CHUNK, end)
+        else:
+            hi = end
+        _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
+    elif pid < PAD_PROGRAMS + TAIL_PROGRAMS:
+        lo = tail_lo + (pid - PAD_PROGRAMS).to(tl.int64) * TAIL_ROWS
+        hi = tl.minimum(lo + TAIL_ROWS, R)
+        tail_start = tl.load(offsets_ptr + E - 1).to(tl.int64)
+        lo = tl.maximum(lo, tail_start)
+        if lo < hi:
+            _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
+    else:
         for i in tl.static_range(TPP):
-            t = pid.to(tl.int64) * TPP + i
+            t = (pid - PAD_PROGRAMS - TAIL_PROGRAMS).to(tl.int64) * TPP + i
             if t < T:
                 _scatter_token(
                     t,
@@ -584,29 +648,6 @@ def _scatter_rows_kernel(
                     LOOP_K,
                     EVICT,
                 )
-    elif pid < token_programs + PAD_PROGRAMS:
-        e = pid - token_programs
-        end = tl.load(offsets_ptr + e).to(tl.int64)
-        start = tl.load(offsets_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
-        used = tl.load(tokens_per_expert_ptr + e).to(tl.int64)
-        _zero_rows(
-            out_ptr,
-            out_vals_ptr,
-            start + used,
-            end,
-            H,
-            stride_out_r,
-            HAS_VALS,
-            ZR,
-            BLOCK_H,
-        )
-    else:
-        lo = tail_lo + (pid - token_programs - PAD_PROGRAMS).to(tl.int64) * TAIL_ROWS
-        hi = tl.minimum(lo + TAIL_ROWS, R)
-        tail_start = tl.load(offsets_ptr + E - 1).to(tl.int64)
-        lo = tl.maximum(lo, tail_start)
-        if lo < hi:
-            _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
 
 
 @triton.jit
@@ -766,6 +807,7 @@ def scatter_rows(
     out_vals_dtype: torch.dtype | None = None,
     zero_padding: bool = True,
     pad_programs: bool = True,
+    pad_rows: int | None = None,
     tail_lo: int = 0,
     config: CopyConfig | None = None,  # None: _copy_config("scatter", k, H)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -773,7 +815,9 @@ def scatter_rows(
 
     ``zero_padding`` False skips the zero-fill when every row is known to be written (no
     padding, nothing dropped, R = T·k). ``pad_programs`` False skips the per-expert padding
-    programs (no alignment). ``tail_lo`` is a static lower bound of ``offsets[E-1]``.
+    programs (no alignment); ``pad_rows`` (align − 1) bounds each expert's padding so that it is
+    zeroed by several short programs (None: one program per expert, any length). ``tail_lo`` is
+    a static lower bound of ``offsets[E-1]``.
     Returns ``out [R, H]`` (dtype of x) and ``out_vals [R]`` (or None).
     """
     T, H = x.shape
@@ -785,9 +829,10 @@ def scatter_rows(
     out_vals = (
         torch.empty(R, dtype=out_vals_dtype or torch.float32, device=x.device) if has_vals else None
     )
-    cfg = config or _copy_config("scatter", k, H)
+    cfg = config or _copy_config("scatter", k, H, dot=dot_src is not None)
     zr = max(_TILE_ELEMS // cfg.block_h, 1)
-    pad_n = E if (zero_padding and pad_programs) else 0
+    pad_split = triton.cdiv(pad_rows, _PAD_CHUNK) if pad_rows else 1
+    pad_n = E * pad_split if (zero_padding and pad_programs) else 0
     tail_n = triton.cdiv(max(R - tail_lo, 0), _TAIL_ROWS) if zero_padding else 0
     grid = (triton.cdiv(T, cfg.tokens_per_program) + pad_n + tail_n,)
     if grid[0] == 0:
@@ -818,6 +863,9 @@ def scatter_rows(
         DOT=dot_src is not None,
         HAS_VALS=has_vals,
         PAD_PROGRAMS=pad_n,
+        PAD_SPLIT=pad_split,
+        PAD_CHUNK=_PAD_CHUNK,
+        TAIL_PROGRAMS=tail_n,
         TAIL_ROWS=_TAIL_ROWS,
         ZR=zr,
         BLOCK_H=cfg.block_h,

@@ -83,6 +83,7 @@ class _Layout:
     tokens_per_expert: torch.Tensor  # [E] int32
     num_rows: int  # R
     pad_programs: bool  # aligned segments: zero each expert's padding rows
+    pad_rows: int  # at most this many padding rows per expert (align − 1)
     tail_lo: int  # static lower bound of offsets[-1]; rows [offsets[-1], R) are zeroed
 
 
@@ -94,6 +95,7 @@ def _scatter(layout: _Layout, x: torch.Tensor, **kw) -> tuple[torch.Tensor, torc
         layout.offsets,
         layout.tokens_per_expert,
         pad_programs=layout.pad_programs,
+        pad_rows=layout.pad_rows,
         tail_lo=layout.tail_lo,
         **kw,
     )
@@ -405,6 +407,7 @@ def permute(
             tokens_per_expert=tokens_per_expert,
             num_rows=num_rows,
             pad_programs=a > 1,
+            pad_rows=a - 1,
             tail_lo=_tail_lo(not may_drop, T * k, num_rows),
         )
         out, out_probs = _PermuteFn.apply(hidden, probs, layout)
@@ -465,6 +468,7 @@ def unpermute(
         tokens_per_expert=dispatch.tokens_per_expert,
         num_rows=dispatch.num_rows,
         pad_programs=dispatch.align is not None,
+        pad_rows=(dispatch.align or 1) - 1,
         # Gradient rows that no slot maps to (padding, tail) must come back zero.
         tail_lo=_tail_lo(dispatch.dropless, dispatch.num_tokens * dispatch.topk, dispatch.num_rows),
     )
@@ -515,6 +519,7 @@ def sort_chunks_by_index(
         tokens_per_expert=row_map.view(-1),
         num_rows=N,
         pad_programs=False,
+        pad_rows=0,
         tail_lo=N,  # a permutation of all N rows: nothing to zero
     )
     out, out_probs = _SortChunksFn.apply(x, probs, layout)

@@ -231,4 +231,6 @@ def test_sweep_smoke(tmp_path):
     for shape in out["copy"]:
         assert set(shape["uses"]) == set(sweep.USES)
         for res in shape["uses"].values():
-            assert res["errors"] == {} and len(res["cells"]) == 4 and res["default"] is not None
+            # up to four per kernel (fewer where candidates coincide after fitting to H)
+            assert res["errors"] == {} and 2 <= len(res["cells"]) <= 4
+            assert res["default"] is not None and "default" in res["cells"]
