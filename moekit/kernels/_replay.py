@@ -6,7 +6,8 @@ which made a grouped-MLP forward+backward (7 launches) host-bound at small sizes
 launch sequence depends only on static facts (shapes, strides, dtypes, flags) records that
 sequence once, through Triton's normal path, then replays it: each replayed launch calls the
 compiled kernel's C launcher directly with the recorded arguments, only the tensor pointers
-swapped for the current call's.
+swapped for the current call's (a pointer may point into one of the op's tensors, e.g. a
+view of a scratch buffer: it is replayed at the same byte offset).
 
 Soundness: everything Triton specialises on must be the same as at recording time. The op keys
 its ``LaunchReplay`` on shapes, strides, dtypes, devices and flags (which fix every integer and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -62,7 +64,7 @@ class _Call:
         self.grid = grid
         self.head = head  # (function, cooperative, pdl, packed metadata)
         self.template = template  # full argument list, pointers as placeholders
-        self.slots = slots  # ((argument position, role index), ...)
+        self.slots = slots  # ((argument position, role index, byte offset in the role), ...)
         self.scratch = scratch  # (bytes, alignment) of global scratch, or None
 
 
@@ -79,7 +81,14 @@ def _full_args(kernel, args: tuple, meta: dict) -> list:
     return out
 
 
-def _build_call(rec, ptr_role: dict[int, int]) -> _Call | None:
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from t's first element to one past its last (any strides)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _build_call(rec, locate) -> _Call | None:
     kernel, compiled, grid, args, meta = rec
     if not isinstance(grid, tuple):
         return None
@@ -93,10 +102,10 @@ def _build_call(rec, ptr_role: dict[int, int]) -> _Call | None:
     slots = []
     for pos, a in enumerate(full):
         if isinstance(a, torch.Tensor):
-            role = ptr_role.get(a.data_ptr())
-            if role is None:
+            found = locate(a.data_ptr())
+            if found is None:
                 return None
-            slots.append((pos, role))
+            slots.append((pos, *found))
             full[pos] = 0
     scratch = None
     if runner.global_scratch_size > 0:
@@ -158,8 +167,8 @@ class LaunchReplay:
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
         for c in calls:
             args = c.template.copy()
-            for pos, role in c.slots:
-                args[pos] = ptrs[role]
+            for pos, role, delta in c.slots:
+                args[pos] = ptrs[role] + delta
             fn, coop, pdl, packed = c.head
             g = c.grid
             # (grid, stream, function, cooperative, pdl, global scratch, profile scratch,
@@ -189,18 +198,30 @@ class LaunchReplay:
         self.disabled = True  # unless everything below maps
         if not rec or _hooks_installed():
             return
-        ptr_role: dict[int, int] = {}
+        extents = []  # (first byte, one past the last, role index)
         for i, t in enumerate(roles):
             if t is None:
                 continue
             p = t.data_ptr()
-            if p == 0 or p & 15 or p in ptr_role:  # empty, misaligned or aliased: ambiguous
+            if p == 0 or p & 15:  # empty or misaligned
                 return
-            ptr_role[p] = i
+            extents.append((p, p + max(_span_bytes(t), 1), i))
+        extents.sort()
+        for (_, end, _), (start, _, _) in itertools.pairwise(extents):
+            if start < end:  # overlapping roles (aliasing): a pointer's role is ambiguous
+                return
+
+        def locate(ptr: int) -> tuple[int, int] | None:
+            """(role, byte offset) of a kernel's pointer argument: inside exactly one role."""
+            for start, end, i in extents:
+                if start <= ptr < end:
+                    return i, ptr - start
+            return None
+
         calls = []
         for r in rec:
             try:
-                c = _build_call(r, ptr_role)
+                c = _build_call(r, locate)
             except Exception:  # another Triton's internals: stay on its normal path
                 return
             if c is None:

@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.kernels._replay import launch as _launch
+
 # Experts per program of the scan, and blocks per step of its loop (one step up to 512 blocks).
 _SCAN_BLOCK_E = 8
 _SCAN_BLOCK_B = 512
@@ -237,11 +239,14 @@ def routing_metadata_launches(
     align: int,  # 1 = no padding
     *,
     config: MetaConfig | None = None,  # None: _meta_config(T·k)
+    out: tuple[torch.Tensor, ...] | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], list]:
     """``routing_metadata`` split into its launches, for benchmarks that time each one.
 
-    Allocates the outputs and returns them with ``[(name, launch)]``; calling every ``launch``
-    in order fills the outputs (each may be re-run: it only reads what the earlier ones wrote).
+    Allocates the outputs (or takes ``out = (row_index [T, k], tokens_per_expert [E],
+    counts [E], offsets [E], scratch [metadata_scratch_numel(T·k, E)])``, all int32) and returns
+    them with ``[(name, launch)]``; calling every ``launch`` in order fills the outputs (each
+    may be re-run: it only reads what the earlier ones wrote).
     """
     device = indices.device
     n = indices.numel()
@@ -257,23 +262,30 @@ def routing_metadata_launches(
     num_blocks = max(triton.cdiv(n, block_n), 1)
     # tl.histogram wants a power-of-two bin count of at least a warp.
     e_pad = max(triton.next_power_of_2(E), 32)
-    block_counts = torch.empty((num_blocks, E), dtype=torch.int32, device=device)
-    block_offsets = torch.empty_like(block_counts)
-    tokens_per_expert = torch.empty(E, dtype=torch.int32, device=device)
-    counts = torch.empty(E, dtype=torch.int32, device=device)
-    offsets = torch.empty(E, dtype=torch.int32, device=device)
-    row_index = torch.empty(indices.shape, dtype=torch.int32, device=device)
+    if out is None:
+        out = (
+            torch.empty(indices.shape, dtype=torch.int32, device=device),
+            *(torch.empty(E, dtype=torch.int32, device=device) for _ in range(3)),
+            torch.empty(2 * num_blocks * E, dtype=torch.int32, device=device),
+        )
+    row_index, tokens_per_expert, counts, offsets, scratch = out
+    # [B, E] block counts and their exclusive prefix, in one scratch buffer
+    block_counts = scratch[: num_blocks * E].view(num_blocks, E)
+    block_offsets = scratch[num_blocks * E : 2 * num_blocks * E].view(num_blocks, E)
     flat = indices.reshape(-1)
     scan_block_b = min(triton.next_power_of_2(num_blocks), cfg.scan_block_b or _SCAN_BLOCK_B)
     scan_block_e = cfg.scan_block_e
 
     def hist():
-        _routing_hist_kernel[(num_blocks,)](
-            flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=cfg.hist_warps
-        )
+        _launch(
+            _routing_hist_kernel, (num_blocks,),
+            flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=cfg.hist_warps,
+        )  # fmt: skip
 
     def scan():
-        _routing_scan_kernel[(triton.cdiv(E, scan_block_e),)](
+        _launch(
+            _routing_scan_kernel,
+            (triton.cdiv(E, scan_block_e),),
             block_counts,
             block_offsets,
             tokens_per_expert,
@@ -285,7 +297,9 @@ def routing_metadata_launches(
         )
 
     def rows():
-        _routing_rows_kernel[(num_blocks,)](
+        _launch(
+            _routing_rows_kernel,
+            (num_blocks,),
             flat,
             block_counts,
             block_offsets,
@@ -306,21 +320,30 @@ def routing_metadata_launches(
     return outputs, [("hist", hist), ("scan", scan), ("rows", rows)]
 
 
+def metadata_scratch_numel(n: int, num_experts: int, config: MetaConfig | None = None) -> int:
+    """int32 elements of the metadata's scratch (``out[4]``) for N = T·k pairs."""
+    cfg = config or _meta_config(n)
+    return 2 * max(triton.cdiv(n, cfg.block_n), 1) * num_experts
+
+
 def routing_metadata(
     indices: torch.Tensor,  # [T, k] int32/int64, contiguous
     num_experts: int,
     align: int,  # 1 = no padding
     *,
     config: MetaConfig | None = None,  # None: _meta_config(T·k)
+    out: tuple[torch.Tensor, ...] | None = None,  # see routing_metadata_launches
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stable counting sort of the (token, slot) pairs by expert, on device, in three launches.
 
     Returns ``row_index [T, k]``, ``tokens_per_expert [E]``, ``counts [E]`` (padded) and
     ``offsets [E]`` (cumulative end offsets of the padded segments), all int32.
     """
-    outputs, launches = routing_metadata_launches(indices, num_experts, align, config=config)
-    for _, launch in launches:
-        launch()
+    outputs, launches = routing_metadata_launches(
+        indices, num_experts, align, config=config, out=out
+    )
+    for _, run in launches:
+        run()
     return outputs
 
 
@@ -810,6 +833,8 @@ def scatter_rows(
     pad_rows: int | None = None,
     tail_lo: int = 0,
     config: CopyConfig | None = None,  # None: _copy_config("scatter", k, H)
+    out: torch.Tensor | None = None,  # [R, H] preallocated (unit stride along H)
+    out_vals: torch.Tensor | None = None,  # [R] preallocated (with slot_vals or dot_src)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Write each token's row to its k destinations (reading it once); zero padding and tail rows.
 
@@ -824,11 +849,13 @@ def scatter_rows(
     k = row_index.shape[1]
     E = offsets.numel()
     R = num_rows
-    out = torch.empty((R, H), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((R, H), dtype=x.dtype, device=x.device)
     has_vals = slot_vals is not None or dot_src is not None
-    out_vals = (
-        torch.empty(R, dtype=out_vals_dtype or torch.float32, device=x.device) if has_vals else None
-    )
+    if has_vals and out_vals is None:
+        out_vals = torch.empty(R, dtype=out_vals_dtype or torch.float32, device=x.device)
+    elif not has_vals:
+        out_vals = None
     cfg = config or _copy_config("scatter", k, H, dot=dot_src is not None)
     zr = max(_TILE_ELEMS // cfg.block_h, 1)
     pad_split = triton.cdiv(pad_rows, _PAD_CHUNK) if pad_rows else 1
@@ -838,7 +865,9 @@ def scatter_rows(
     if grid[0] == 0:
         return out, out_vals
     dummy = out  # never dereferenced when its flag is off
-    _scatter_rows_kernel[grid](
+    _launch(
+        _scatter_rows_kernel,
+        grid,
         x,
         row_index,
         slot_vals if slot_vals is not None else dummy,
@@ -885,6 +914,8 @@ def gather_rows(
     row_vals: torch.Tensor | None = None,  # [R] → out_vals [T, k]
     out_dtype: torch.dtype | None = None,
     config: CopyConfig | None = None,  # None: _copy_config("gather", k, H)
+    out: torch.Tensor | None = None,  # [T, H] preallocated (unit stride along H)
+    out_vals: torch.Tensor | None = None,  # [T, k] preallocated (with row_vals)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum each token's k rows in fp32 (weighted by ``row_weight`` when given).
 
@@ -893,12 +924,12 @@ def gather_rows(
     """
     R, H = src.shape
     T, k = row_index.shape
-    out = torch.empty((T, H), dtype=out_dtype or src.dtype, device=src.device)
-    out_vals = (
-        torch.empty((T, k), dtype=row_vals.dtype, device=src.device)
-        if row_vals is not None
-        else None
-    )
+    if out is None:
+        out = torch.empty((T, H), dtype=out_dtype or src.dtype, device=src.device)
+    if row_vals is not None and out_vals is None:
+        out_vals = torch.empty((T, k), dtype=row_vals.dtype, device=src.device)
+    elif row_vals is None:
+        out_vals = None
     if T == 0:
         return out, out_vals
     cfg = config or _copy_config("gather", k, H)
@@ -907,7 +938,9 @@ def gather_rows(
         triton.cdiv(max(H, 1), cfg.block_h) if cfg.split_h else 1,
     )
     dummy = out
-    _gather_rows_kernel[grid](
+    _launch(
+        _gather_rows_kernel,
+        grid,
         src,
         row_index,
         row_weight if row_weight is not None else dummy,

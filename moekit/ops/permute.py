@@ -20,6 +20,7 @@ import torch
 
 from moekit.kernels import permute as _k
 from moekit.ops._dispatch import use_triton
+from moekit.ops._launch_cache import replayed, sig
 from moekit.ops._validate import (
     check_dim_size,
     check_dtype,
@@ -87,18 +88,81 @@ class _Layout:
     tail_lo: int  # static lower bound of offsets[-1]; rows [offsets[-1], R) are zeroed
 
 
-def _scatter(layout: _Layout, x: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return _k.scatter_rows(
-        x,
-        layout.row_index,
-        layout.num_rows,
-        layout.offsets,
-        layout.tokens_per_expert,
-        pad_programs=layout.pad_programs,
-        pad_rows=layout.pad_rows,
-        tail_lo=layout.tail_lo,
-        **kw,
-    )
+def _scatter(
+    layout: _Layout,
+    x: torch.Tensor,
+    *,
+    slot_vals: torch.Tensor | None = None,
+    row_weight: torch.Tensor | None = None,
+    dot_src: torch.Tensor | None = None,
+    out_vals_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    R, H = layout.num_rows, x.shape[1]
+    out = torch.empty((R, H), dtype=x.dtype, device=x.device)
+    has_vals = slot_vals is not None or dot_src is not None
+    vals_dtype = out_vals_dtype or torch.float32
+    out_vals = torch.empty(R, dtype=vals_dtype, device=x.device) if has_vals else None
+
+    def launches():
+        _k.scatter_rows(
+            x, layout.row_index, R, layout.offsets, layout.tokens_per_expert,
+            slot_vals=slot_vals, row_weight=row_weight, dot_src=dot_src,
+            out_vals_dtype=vals_dtype, pad_programs=layout.pad_programs,
+            pad_rows=layout.pad_rows, tail_lo=layout.tail_lo, out=out, out_vals=out_vals,
+        )  # fmt: skip
+
+    key = None
+    if x.is_cuda:
+        key = (
+            "scatter", sig(x), sig(layout.row_index), sig(layout.offsets), R, sig(slot_vals),
+            sig(row_weight), sig(dot_src), vals_dtype, layout.pad_programs, layout.pad_rows,
+            layout.tail_lo,
+        )  # fmt: skip
+    roles = (
+        x, layout.row_index, layout.offsets, layout.tokens_per_expert, slot_vals, row_weight,
+        dot_src, out, out_vals,
+    )  # fmt: skip
+    replayed(key, roles, launches)
+    return out, out_vals
+
+
+def _gather(
+    src: torch.Tensor,
+    row_index: torch.Tensor,
+    *,
+    row_weight: torch.Tensor | None = None,
+    row_vals: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    T, k = row_index.shape
+    out = torch.empty((T, src.shape[1]), dtype=src.dtype, device=src.device)
+    out_vals = None
+    if row_vals is not None:
+        out_vals = torch.empty((T, k), dtype=row_vals.dtype, device=src.device)
+
+    def launches():
+        _k.gather_rows(
+            src, row_index, row_weight=row_weight, row_vals=row_vals, out=out, out_vals=out_vals
+        )
+
+    key = None
+    if src.is_cuda:
+        key = ("gather", sig(src), sig(row_index), sig(row_weight), sig(row_vals))
+    replayed(key, (src, row_index, row_weight, row_vals, out, out_vals), launches)
+    return out, out_vals
+
+
+def _routing_metadata(idx: torch.Tensor, E: int, align: int) -> tuple[torch.Tensor, ...]:
+    """The three metadata launches into buffers of ours (so that they can be replayed)."""
+    dev = idx.device
+    row_index = torch.empty(idx.shape, dtype=torch.int32, device=dev)
+    tokens_per_expert = torch.empty(E, dtype=torch.int32, device=dev)
+    counts = torch.empty(E, dtype=torch.int32, device=dev)
+    offsets = torch.empty(E, dtype=torch.int32, device=dev)
+    scratch = torch.empty(_k.metadata_scratch_numel(idx.numel(), E), dtype=torch.int32, device=dev)
+    outs = (row_index, tokens_per_expert, counts, offsets, scratch)
+    key = ("meta", sig(idx), E, align) if idx.is_cuda else None
+    replayed(key, (idx, *outs), lambda: _k.routing_metadata(idx, E, align, out=outs))
+    return row_index, tokens_per_expert, counts, offsets
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
@@ -126,7 +190,7 @@ class _PermuteFn(torch.autograd.Function):
         grad_hidden = grad_slot = None
         if need_h and grad_out is not None:
             # Permute's adjoint is the unweighted combine; dprobs rides along in the same pass.
-            grad_hidden, grad_slot = _k.gather_rows(
+            grad_hidden, grad_slot = _gather(
                 _rowmajor(grad_out),
                 layout.row_index,
                 row_vals=grad_probs if need_p else None,
@@ -154,7 +218,7 @@ class _UnpermuteFn(torch.autograd.Function):
         ctx.weighted = row_probs is not None
         need_dprobs = row_probs is not None and ctx.needs_input_grad[1]
         ctx.save_for_backward(row_probs, expert_out if need_dprobs else None)
-        out, _ = _k.gather_rows(expert_out, layout.row_index, row_weight=row_probs)
+        out, _ = _gather(expert_out, layout.row_index, row_weight=row_probs)
         return out
 
     @staticmethod
@@ -195,7 +259,7 @@ class _SortChunksFn(torch.autograd.Function):
         if need_x:
             if grad_out is None:
                 grad_out = torch.zeros(ctx.x_meta[0], dtype=ctx.x_meta[1], device=ctx.x_meta[2])
-            grad_x, grad_p = _k.gather_rows(
+            grad_x, grad_p = _gather(
                 _rowmajor(grad_out),
                 layout.row_index,
                 row_vals=grad_probs if need_p else None,
@@ -385,7 +449,7 @@ def permute(
         probs = probs.contiguous()  # [T, k]: metadata-sized
 
     triton_path = use_triton(hidden)
-    meta_fn = _k.routing_metadata if triton_path else _ref.routing_metadata_torch
+    meta_fn = _routing_metadata if triton_path else _ref.routing_metadata_torch
     row_index, tokens_per_expert, counts, offsets = meta_fn(idx, E, a)
 
     if out_rows is not None:

@@ -352,6 +352,26 @@ def _gpu_routing(T, E, k):
 @pytest.mark.parametrize("T,H,E,k", GPU_SHAPES)
 @pytest.mark.parametrize("align", [None, 16, 128])
 def test_gpu_matches_reference(T, H, E, k, align):
+    _gpu_check(T, H, E, k, align)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [None, 128])
+def test_gpu_replayed_launches_match_reference(align):
+    """From the third call of one static configuration on, permute / unpermute replay their
+    recorded launches with only the pointers swapped (moekit/ops/_launch_cache.py): every
+    call, on fresh tensors and a fresh routing, must still match the reference, and the
+    replays must actually be in use."""
+    from moekit.ops import _launch_cache
+
+    _launch_cache._REPLAYS.clear()
+    for _ in range(5):
+        _gpu_check(1000, 1024, 8, 2, align)
+    kinds = {key[0] for key, rep in _launch_cache._REPLAYS.items() if rep.ready}
+    assert kinds == {"meta", "scatter", "gather"}, kinds
+
+
+def _gpu_check(T, H, E, k, align):
     indices, probs = _gpu_routing(T, E, k)
     hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     probs.requires_grad_(True)
