@@ -38,6 +38,14 @@ def replayed(
         if len(_REPLAYS) >= _MAX_REPLAYS:
             _REPLAYS.clear()
         rep = _REPLAYS[key] = LaunchReplay()
+    run_or_record(rep, roles, body)
+
+
+def run_or_record(
+    rep: LaunchReplay, roles: Sequence[torch.Tensor | None], body: Callable[[], object]
+) -> None:
+    """Replay ``rep``'s recorded launches for these tensors, or run ``body`` (recording when
+    due): for ops that keep their LaunchReplay objects themselves (e.g. in a plan)."""
     if not rep.run(roles):
         with rep.recording(roles):
             body()

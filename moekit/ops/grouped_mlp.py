@@ -24,6 +24,7 @@ from moekit.kernels import grouped_gemm as _gemm
 from moekit.kernels import grouped_mlp as _mlp
 from moekit.kernels._replay import LaunchReplay
 from moekit.ops._dispatch import use_triton
+from moekit.ops._launch_cache import run_or_record
 from moekit.ops._validate import (
     check_byte_aligned,
     check_dtype,
@@ -89,13 +90,6 @@ def _released(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() == 0
 
 
-def _launch_or_replay(replay: LaunchReplay, roles: tuple, body) -> None:
-    """Replay ``body``'s recorded launches for these tensors, or run it (recording when due)."""
-    if not replay.run(roles):
-        with replay.recording(roles):
-            body()
-
-
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg2):
@@ -111,7 +105,7 @@ class _GroupedMLPFn(torch.autograd.Function):
                 _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **plan.act_kwargs)
                 _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
 
-            _launch_or_replay(plan.fwd, (x, offsets, w1, w2, probs, b1, b2, a, h, y), launches)
+            run_or_record(plan.fwd, (x, offsets, w1, w2, probs, b1, b2, a, h, y), launches)
         ctx.plan = plan
         ctx.main_grads = (mg1, mg2)
         ctx.bias_dtypes = (
@@ -172,7 +166,7 @@ class _GroupedMLPFn(torch.autograd.Function):
             if need_p:
                 _mlp.segment_colsum(used, None, dp2)
 
-        _launch_or_replay(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp2), dact)
+        run_or_record(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp2), dact)
         dp = dp2.view(R) if need_p else None
         part = None  # scratch: released before the weight gradients are allocated
         _release(h)
@@ -187,7 +181,7 @@ class _GroupedMLPFn(torch.autograd.Function):
             def wgrad2():
                 _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
 
-            _launch_or_replay(seg[1], (dy, offsets, act_out, target2), wgrad2)
+            run_or_record(seg[1], (dy, offsets, act_out, target2), wgrad2)
             _release(act_out)
             act_out = None
         # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
@@ -217,7 +211,7 @@ class _GroupedMLPFn(torch.autograd.Function):
                 _mlp.segment_colsum(dy, offsets, db2)
 
         roles = (dh, offsets, w1, x, dx, target1, db1, db2, dy)
-        _launch_or_replay(seg[2], roles, fc1_grads)
+        run_or_record(seg[2], roles, fc1_grads)
         return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
 
