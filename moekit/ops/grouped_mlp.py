@@ -10,6 +10,10 @@ Configurations the fused kernels do not cover (an F whose rows are not 16-byte a
 interleave that is not a multiple of 16) run the unfused composition of moekit ops instead,
 with a one-time warning that says why. CPU tensors run that composition over the reference
 grouped GEMM (or the fused kernels in Triton's interpreter when ``TRITON_INTERPRET=1``).
+
+Host path: calls are keyed on their static configuration; the first call of a key validates
+and builds a ``_Plan``, later calls skip validation and, from the third on, replay the recorded
+kernel launches with only the pointers swapped (moekit/kernels/_replay.py).
 """
 
 from __future__ import annotations
