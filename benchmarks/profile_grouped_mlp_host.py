@@ -15,6 +15,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from benchmark_grouped_mlp import sleep_cycles_per_ms
 
 from moekit.kernels import grouped_gemm as G
 from moekit.kernels import grouped_mlp as M
@@ -54,13 +55,7 @@ def host_us(fn, n: int, cycles_per_ms: float) -> float:
 
 
 def main() -> None:
-    torch.cuda._sleep(1000)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    torch.cuda._sleep(50_000_000)
-    e.record()
-    torch.cuda.synchronize()
-    cpm = 50_000_000 / s.elapsed_time(e)
+    cpm = sleep_cycles_per_ms()
 
     R, E, H, F = 4096, 8, 1024, 1024
     dev, dt = "cuda", torch.bfloat16

@@ -11,25 +11,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
+from benchmark_grouped_mlp import sleep_cycles_per_ms
+from profile_grouped_mlp_host import host_us
 
 from moekit.kernels import permute as K
 from moekit.ops import permute, unpermute
-
-
-def host_us(fn, n: int, cycles_per_ms: float) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(300 * cycles_per_ms))  # 300 ms of GPU work ahead of the host
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / n * 1e6
 
 
 def main() -> None:
@@ -43,13 +31,7 @@ def main() -> None:
     T, H, E, k = args.T, args.H, args.E, args.k
     align = args.align or None
 
-    torch.cuda._sleep(1000)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    torch.cuda._sleep(50_000_000)
-    e.record()
-    torch.cuda.synchronize()
-    cpm = 50_000_000 / s.elapsed_time(e)
+    cpm = sleep_cycles_per_ms()
 
     dev = "cuda"
     x = torch.randn(T, H, device=dev, dtype=torch.bfloat16, requires_grad=True)
