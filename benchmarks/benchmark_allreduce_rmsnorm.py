@@ -6,13 +6,24 @@
    reference, bit-identical on every rank, ``--check-iters`` repeated calls, back-to-back calls
    with one rank delayed in turn, cached launch plans + a misaligned input, CUDA-graph capture,
    the NCCL fallback with a too-small pool, bad input, backward. ``--skip-checks`` skips it.
-2. Timing grid: tokens × hidden, bf16. Per method and shape, the latency of one call is the median
-   over ``--iters`` (≥ 200) calls, each timed with CUDA events, eager and replayed from a CUDA graph
-   holding one call; the reported number is the maximum over ranks. Methods:
+2. Timing grid: tokens × hidden, bf16. Per method and shape, the latency of one call, the maximum
+   over ranks of a median over ≥ ``--iters`` (≥ 200) calls, in three modes:
+     ``eager``  : each call timed with CUDA events as it is issued from Python (host-bound when
+                  the call's GPU time is shorter than its launch cost, for every method alike);
+     ``graph``  : ``--graph-calls`` calls captured back to back in one CUDA graph; each replay is
+                  timed with CUDA events and divided by the number of calls, the median over the
+                  replays is reported (device latency per call, the way nccl-tests and vLLM's
+                  custom all-reduce measure it; the targets are checked on this mode);
+     ``graph1`` : a CUDA graph holding one call, each replay timed alone (adds the graph launch
+                  gap on an idle GPU; reported for comparison with earlier runs).
+   Methods:
      (a)  ``nccl+torch``   : NCCL all_reduce (in place) + torch add + torch RMSNorm
      (b1) ``symm1+torch``  : torch symm_mem one_shot_all_reduce(_copy) + the same add and norm
      (b2) ``symm2+torch``  : copy into symm memory + torch symm_mem two_shot_all_reduce_ + add/norm
-     ``one_shot`` / ``two_shot`` / ``auto`` / ``nccl_fused``: moekit.ops.allreduce_add_rmsnorm
+     ``one_shot`` / ``two_shot`` / ``lamport`` / ``lamport_two_shot`` / ``auto`` / ``nccl_fused``:
+     moekit.ops.allreduce_add_rmsnorm (the Lamport ones only where the call fits the Lamport
+     slots);
+     ``two_shot_staged`` (T ≥ 1024): the earlier two_shot kernel (stage, pull), for A/B
    Bus bandwidth = bytes · 2(W−1)/W / time (the nccl-tests convention).
 3. Rank 0 prints a compact table last and writes ``allreduce_rmsnorm.json`` + ``.png`` to --out.
 """
@@ -34,6 +45,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from moekit.distributed import SymmetricPool, init_distributed, set_pool  # noqa: E402
+from moekit.kernels._runtime import device_sms  # noqa: E402
+from moekit.kernels.allreduce import MAX_BLOCKS, FusedAllreducePlan  # noqa: E402
 from moekit.ops.allreduce import allreduce_add_rmsnorm, auto_algo  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
@@ -69,7 +82,9 @@ class TorchSymm:
         return self.buf[: T * H].view(T, H)
 
 
-def make_methods(x, residual, weight, torch_symm: TorchSymm | None, world: int):
+def make_methods(
+    x, residual, weight, torch_symm: TorchSymm | None, world: int, pool, tuning: bool = False
+):
     T, H = x.shape
     methods = {}
     work = x.clone()
@@ -108,8 +123,36 @@ def make_methods(x, residual, weight, torch_symm: TorchSymm | None, world: int):
                 return F.rms_norm(ro, (H,), weight, EPS), ro
 
             methods["symm2+torch"] = symm2
-    for algo in ("one_shot", "two_shot", "auto"):
+    algos = ["one_shot", "two_shot", "auto"]
+    for lam in ("lamport", "lamport_two_shot"):
+        if pool.lamport_fits(T, H, x.dtype, lam):
+            algos.insert(-1, lam)
+    for algo in algos:
         methods[algo] = lambda algo=algo: allreduce_add_rmsnorm(x, residual, weight, algo=algo)
+    if T >= 1024:  # A/B: the earlier two_shot (stage x locally, then pull from the peers)
+        staged = FusedAllreducePlan(
+            T=T, H=H, dtype=x.dtype, device=x.device, has_residual=True, has_norm=True,
+            store_rstd=False, peer_bases=pool.peer_bases, ctl=pool.epochs, rank=pool.rank,
+            algo="two_shot", max_programs=min(device_sms(x), MAX_BLOCKS),
+            half_bytes=pool.half_bytes, two_shot_staged=True,
+        )  # fmt: skip
+        methods["two_shot_staged"] = lambda: staged(x, residual, weight, EPS)[:2]
+    variants = {}  # tuning A/B: (name, algo, plan overrides)
+    if T >= 4096 and tuning:
+        variants["two_shot_w8"] = ("two_shot", {"num_warps": 8})
+    if 64 <= T <= 1024 and tuning:
+        variants["lamport_two_shot_s2"] = ("lamport_two_shot", {"lamport_split": 2})
+    for name, (algo, extra) in variants.items():
+        if algo.startswith("lamport") and not pool.lamport_fits(T, H, x.dtype, algo):
+            continue
+        plan = FusedAllreducePlan(
+            T=T, H=H, dtype=x.dtype, device=x.device, has_residual=True, has_norm=True,
+            store_rstd=False, peer_bases=pool.peer_bases, ctl=pool.epochs, rank=pool.rank,
+            algo=algo, max_programs=min(device_sms(x), MAX_BLOCKS),
+            half_bytes=pool.half_bytes, lamport_off=pool.lamport_offset,
+            lamport_slot_bytes=pool.lamport_slot_bytes, **extra,
+        )  # fmt: skip
+        methods[name] = lambda plan=plan: plan(x, residual, weight, EPS)[:2]
     methods["nccl_fused"] = lambda: allreduce_add_rmsnorm(x, residual, weight, algo="nccl")
     return methods
 
@@ -140,7 +183,9 @@ def time_eager(fn, iters: int, device) -> float:
     return _median_max_over_ranks([s.elapsed_time(e) for s, e in zip(starts, ends)], device)
 
 
-def time_graph(fn, iters: int, device) -> float:
+def time_graph(fn, iters: int, device, calls: int = 1) -> float:
+    """Median per-call latency of a CUDA graph holding ``calls`` back-to-back calls (≥ ``iters``
+    calls in all, ≥ 20 replays)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -150,19 +195,22 @@ def time_graph(fn, iters: int, device) -> float:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()
     dist.barrier()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
+    replays = max(-(-iters // calls), 20)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for i in range(replays):
         starts[i].record()
         graph.replay()
         ends[i].record()
     torch.cuda.synchronize()
-    out = _median_max_over_ranks([s.elapsed_time(e) for s, e in zip(starts, ends)], device)
+    per_call = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
+    out = _median_max_over_ranks(per_call, device)
     del graph
     return out
 
@@ -172,7 +220,7 @@ def time_graph(fn, iters: int, device) -> float:
 # ----------------------------------------------------------------------------------------------
 
 BASELINES = ("nccl+torch", "symm1+torch", "symm2+torch")
-OURS = ("one_shot", "two_shot", "auto", "nccl_fused")
+OURS = ("one_shot", "two_shot", "lamport", "lamport_two_shot", "auto", "nccl_fused")
 
 
 def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
@@ -182,10 +230,13 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
     lines = []
     hdr = (
         f"{'T':>6} {'H':>5} {'MB':>7} | {'(a)':>8} {'(b1)':>8} {'(b2)':>8} | {'1shot':>8} "
-        f"{'2shot':>8} {'auto':>8} {'ncclF':>8} | {'auto/a':>6} {'auto/best':>9} {'busbw':>7} "
-        f"| {'eager a':>8} {'eager auto':>10} {'x':>5}"
+        f"{'2shot':>8} {'lamp':>8} {'lamp2':>8} {'auto':>8} {'ncclF':>8} | {'auto/a':>6} {'auto/best':>9} "
+        f"{'busbw':>7} | {'eager a':>8} {'eager auto':>10} {'x':>5} | {'g1 a':>6} {'g1 auto':>7}"
     )
-    lines.append(f"latency µs, CUDA graph (median of calls, max over {world} ranks); bf16")
+    lines.append(
+        f"latency µs, CUDA graph of back-to-back calls (median, max over {world} ranks); bf16; "
+        "g1 = one call per graph replay"
+    )
     lines.append(hdr)
     verdict = {"fail": [], "pass": []}
     for (T, H), m in sorted(by.items()):
@@ -203,8 +254,9 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
         lines.append(
             f"{T:>6} {H:>5} {mb:>7.2f} | {a:>8.1f} {g('symm1+torch'):>8.1f} "
             f"{g('symm2+torch'):>8.1f} | {g('one_shot'):>8.1f} {g('two_shot'):>8.1f} "
-            f"{auto:>8.1f} {g('nccl_fused'):>8.1f} | {a / auto:>6.2f} {best_base / auto:>9.2f} "
-            f"{busbw:>7.1f} | {ea:>8.1f} {eauto:>10.1f} {ea / eauto:>5.2f}"
+            f"{g('lamport'):>8.1f} {g('lamport_two_shot'):>8.1f} {auto:>8.1f} {g('nccl_fused'):>8.1f} | {a / auto:>6.2f} "
+            f"{best_base / auto:>9.2f} {busbw:>7.1f} | {ea:>8.1f} {eauto:>10.1f} "
+            f"{ea / eauto:>5.2f} | {g('nccl+torch', 'graph1'):>6.1f} {g('auto', 'graph1'):>7.1f}"
         )
         target = 2.0 if T <= 256 else (1.2 if T >= 4096 else 1.0)
         ok = a / auto >= target and auto <= best_base * 1.0
@@ -217,20 +269,39 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
     for (T, H), m in sorted(by.items()):
         cands = {
             k: m[(k, "graph")]["us"]
-            for k in ("one_shot", "two_shot", "nccl_fused")
+            for k in ("one_shot", "two_shot", "lamport", "lamport_two_shot", "nccl_fused")
             if (k, "graph") in m
         }
         if not cands:
             continue
         sugg.append((T * H * 2, min(cands, key=cands.get)))
+    lam_max = max([b for b, k in sugg if k == "lamport"], default=0)
+    lam2_max = max([b for b, k in sugg if k.startswith("lamport")], default=0)
     one_max = max([b for b, k in sugg if k == "one_shot"], default=0)
-    two_max = max([b for b, k in sugg if k in ("one_shot", "two_shot")], default=0)
+    two_max = max([b for b, k in sugg if k != "nccl_fused"], default=0)
     lines.append(
         f"fastest per size: {[(f'{b / 1e6:.2f}MB', k) for b, k in sugg]}\n"
-        f"suggested for W={world}: MOEKIT_AR_ONE_SHOT_MAX_KB={one_max // 1024} "
+        f"suggested for W={world}: MOEKIT_AR_LAMPORT_MAX_KB={lam_max // 1024} "
+        f"MOEKIT_AR_LAMPORT_TWO_SHOT_MAX_KB={lam2_max // 1024} "
+        f"MOEKIT_AR_ONE_SHOT_MAX_KB={one_max // 1024} "
         f"MOEKIT_AR_TWO_SHOT_MAX_KB={two_max // 1024} (current auto picks: "
-        f"{sorted({auto_algo(b, world) for b, _ in sugg})})"
+        f"{sorted({auto_algo(b, world, True) for b, _ in sugg})})"
     )
+    ab = [
+        f"T={T} H={H}: {m[('two_shot', 'graph')]['us']:.1f} vs {m[('two_shot_staged', 'graph')]['us']:.1f}"
+        for (T, H), m in sorted(by.items())
+        if ("two_shot_staged", "graph") in m and ("two_shot", "graph") in m
+    ]
+    if ab:
+        lines.append("two_shot (scatter) vs two_shot_staged µs: " + "; ".join(ab))
+    tuning = [
+        f"T={T} H={H} {k}={v['us']:.1f}"
+        for (T, H), m in sorted(by.items())
+        for (k, mode), v in sorted(m.items())
+        if mode == "graph" and k.split("_")[-1][:1] in ("w", "s") and k[-1].isdigit()
+    ]
+    if tuning:
+        lines.append("tuning variants µs: " + "; ".join(tuning))
     lines.append(f"targets met at {len(verdict['pass'])}/{len(by)} sizes")
     for f in verdict["fail"]:
         lines.append(f"  MISSED {f}")
@@ -279,6 +350,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, nargs="*", default=list(HIDDEN))
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--check-iters", type=int, default=1000)
+    ap.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph")
+    ap.add_argument("--tuning", action="store_true", help="also time the tuning variants")
+    ap.add_argument("--methods", nargs="*", default=None, help="only these methods")
+    ap.add_argument("--modes", nargs="*", default=["eager", "graph", "graph1"])
     args = ap.parse_args()
     if args.iters < 200:
         raise SystemExit("--iters must be >= 200 (median over at least 200 calls)")
@@ -288,7 +363,7 @@ def main() -> None:
     t_start = time.perf_counter()
     max_numel = max(args.tokens) * max(args.hidden)
     # one pool big enough for a two_shot of the largest shape, created before anything else
-    pool = set_pool(SymmetricPool(dist.group.WORLD, size_bytes=2 * max_numel * 2))
+    pool = set_pool(SymmetricPool(dist.group.WORLD, size_bytes=2 * (max_numel + 8 * 16384) * 2))
     _log(
         f"world={world} device={torch.cuda.get_device_name()} torch={torch.__version__} "
         f"pool={pool} env="
@@ -327,10 +402,17 @@ def main() -> None:
             residual = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
             weight = (1 + 0.1 * torch.randn(H, device=device, generator=g)).to(torch.bfloat16)
             nbytes = T * H * 2
-            for name, fn in make_methods(x, residual, weight, torch_symm, world).items():
-                for mode, timer in (("eager", time_eager), ("graph", time_graph)):
+            methods = make_methods(x, residual, weight, torch_symm, world, pool, args.tuning)
+            for name, fn in methods.items():
+                if args.methods and name not in args.methods:
+                    continue
+                for mode in args.modes:
                     try:
-                        us = timer(fn, args.iters, device)
+                        if mode == "eager":
+                            us = time_eager(fn, args.iters, device)
+                        else:
+                            calls = args.graph_calls if mode == "graph" else 1
+                            us = time_graph(fn, args.iters, device, calls)
                     except RuntimeError as e:  # e.g. a baseline op that rejects this size
                         _log(f"  {name} {mode} T={T} H={H} failed: {e}")
                         continue
@@ -351,7 +433,9 @@ def main() -> None:
             "device": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "iters": args.iters,
-            "auto_picks": {str(r["bytes"]): auto_algo(r["bytes"], world) for r in rows},
+            "graph_calls": args.graph_calls,
+            "lamport_slot_bytes": pool.lamport_slot_bytes,
+            "auto_picks": {str(r["bytes"]): auto_algo(r["bytes"], world, True) for r in rows},
         }
         with open(os.path.join(args.out, "allreduce_rmsnorm.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)

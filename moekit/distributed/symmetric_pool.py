@@ -15,7 +15,13 @@ memory is unavailable (no CUDA, ranks on several hosts, more than ``MAX_WORLD`` 
 size 0, a torch build without it), :attr:`available`/:attr:`reason` say so and the ops fall back
 to NCCL with a one-time warning.
 
-Size: ``size_bytes``, else ``MOEKIT_SYMM_POOL_MB`` (MiB), else :data:`DEFAULT_POOL_BYTES`.
+After the two halves comes the Lamport region of the barrier-free ``lamport`` algorithm:
+``2 × W`` slots of :attr:`SymmetricPool.lamport_slot_bytes`, filled with the sentinel (bf16/fp16
+-0.0) at creation; every Lamport launch returns the slots it used to that state.
+
+Size: ``size_bytes``, else ``MOEKIT_SYMM_POOL_MB`` (MiB), else :data:`DEFAULT_POOL_BYTES`; Lamport
+slots: ``lamport_slot_bytes``, else ``MOEKIT_AR_LAMPORT_SLOT_KB``, else
+:data:`DEFAULT_LAMPORT_SLOT_BYTES` (0 turns the Lamport region off).
 
 Rules: create the pool (or call an op once, which creates it) before CUDA-graph capture; use one
 pool from one stream at a time; every rank of the group must make the same calls in the same
@@ -29,13 +35,35 @@ import socket
 import torch
 import torch.distributed as dist
 
-from moekit.config import symm_pool_bytes
+from moekit.config import env_kib, symm_pool_bytes
 from moekit.distributed.env import disable_multicast_env
-from moekit.kernels.allreduce import CTL_WORDS, DATA_OFFSET, MAX_WORLD, SIGNAL_BYTES, half_bytes
+from moekit.kernels.allreduce import (
+    CTL_WORDS,
+    DATA_OFFSET,
+    LAMPORT_ALIGN,
+    LAMPORT_SENTINEL_BITS,
+    MAX_WORLD,
+    SIGNAL_BYTES,
+    half_bytes,
+    lamport_offset,
+    lamport_region_bytes,
+)
+from moekit.kernels.allreduce import (
+    lamport_fits as _lamport_fits,
+)
 
 DEFAULT_POOL_BYTES = 128 << 20  # data region; 2× covers a two_shot of 16k tokens × 2048 bf16
+# One Lamport slot holds one rank's x of a call: 4 MiB covers 256 tokens × 7168 bf16.
+DEFAULT_LAMPORT_SLOT_BYTES = 4 << 20
 
-__all__ = ["DEFAULT_POOL_BYTES", "SymmetricPool", "get_pool", "pool_generation", "set_pool"]
+__all__ = [
+    "DEFAULT_LAMPORT_SLOT_BYTES",
+    "DEFAULT_POOL_BYTES",
+    "SymmetricPool",
+    "get_pool",
+    "pool_generation",
+    "set_pool",
+]
 
 
 def _group_key(group: dist.ProcessGroup) -> str:
@@ -50,6 +78,9 @@ class SymmetricPool:
         group, rank, world_size: the process group and this rank's place in it.
         capacity: bytes of the data region (excluding the signal region).
         half_bytes: bytes of each of its two halves (the most one call can stage).
+        lamport_offset, lamport_slot_bytes: where the Lamport region starts in the buffer and
+            the size of each of its slots (the most one Lamport call can send); 0 slot bytes
+            means no Lamport region.
         available: False when symmetric memory cannot be used; ``reason`` says why.
         peer_bases: ``[W]`` int64 device tensor, the address of every rank's buffer here.
         epochs: ``[CTL_WORDS]`` int32 device tensor (local): the launch epoch and the arrival
@@ -63,6 +94,7 @@ class SymmetricPool:
         size_bytes: int | None = None,
         *,
         device: torch.device | None = None,
+        lamport_slot_bytes: int | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -80,6 +112,14 @@ class SymmetricPool:
         if self.capacity < 0:
             raise ValueError(f"size_bytes must be >= 0, got {self.capacity}")
         self.half_bytes = half_bytes(self.capacity)
+        if lamport_slot_bytes is None:
+            lamport_slot_bytes = env_kib("MOEKIT_AR_LAMPORT_SLOT_KB")
+        if lamport_slot_bytes is None:
+            lamport_slot_bytes = DEFAULT_LAMPORT_SLOT_BYTES
+        if lamport_slot_bytes < 0:
+            raise ValueError(f"lamport_slot_bytes must be >= 0, got {lamport_slot_bytes}")
+        self.lamport_slot_bytes = int(lamport_slot_bytes) // LAMPORT_ALIGN * LAMPORT_ALIGN
+        self.lamport_offset = lamport_offset(self.capacity)
         if device is None and torch.cuda.is_available():
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device if device is not None else torch.device("cpu")
@@ -122,11 +162,14 @@ class SymmetricPool:
     def _allocate(self) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        total = DATA_OFFSET + self.capacity
+        lamport = lamport_region_bytes(self.world_size, self.lamport_slot_bytes)
+        total = self.lamport_offset + lamport
         error = ""
         try:
             buf = symm_mem.empty(total, dtype=torch.uint8, device=self.device)
             buf[:SIGNAL_BYTES].zero_()
+            # every Lamport slot starts "empty"; peers write only after the collective below
+            buf[self.lamport_offset :].view(torch.int16).fill_(LAMPORT_SENTINEL_BITS)
             torch.cuda.synchronize(self.device)
             handle = symm_mem.rendezvous(buf, self.group)
             ptrs = [int(p) for p in handle.buffer_ptrs]
@@ -156,6 +199,15 @@ class SymmetricPool:
         """Whether a call needing ``nbytes`` of the data region (both halves, as given by
         :func:`moekit.kernels.allreduce.workspace_bytes`) can run on this pool."""
         return self.available and nbytes // 2 <= self.half_bytes
+
+    def lamport_fits(self, T: int, H: int, dtype: torch.dtype, algo: str = "lamport") -> bool:
+        """Whether a ``lamport`` / ``lamport_two_shot`` call of [T, H] ``dtype`` fits the Lamport
+        slots (bf16/fp16 only)."""
+        return (
+            self.available
+            and dtype in (torch.bfloat16, torch.float16)
+            and _lamport_fits(T, H, 2, algo, self.world_size, self.lamport_slot_bytes)
+        )
 
     def local_view(
         self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0

@@ -10,8 +10,10 @@ Buffer layout (bytes, identical on every rank; ``D = DATA_OFFSET``, ``S`` = half
     [0, SIGNAL_BYTES)    signal: int32 flags[NUM_CHANNELS][MAX_BLOCKS][MAX_WORLD]
     [D, D + S)           half 0: every rank's copy of its own x [T, H]   (even launch epochs)
     [D + S, D + 2·S)     half 1: the same                                 (odd launch epochs)
+    [L, L + 2·W·P)       Lamport region: slots[2 parities][W ranks][P bytes], sentinel-filled
 
 ``S = half_bytes(capacity)``; a call needs ``T·H·e ≤ S`` (:func:`workspace_bytes` = 2·T·H·e).
+``L`` = ``D + 2·S``; ``P`` = the pool's Lamport slot size (a Lamport call needs ``T·H·e ≤ P``).
 
 Launch epoch: each rank keeps ``ctl[2]`` int32 on the device (``[0]`` the epoch of the last
 launch, ``[1]`` an arrival counter). Every program of a launch reads ``E = ctl[0] + 1`` at its
@@ -37,12 +39,25 @@ one_shot (latency): stage x → own half; barrier; every rank reads row t from a
 fp32 in rank order (so all ranks get identical bits), adds the residual, rounds, normalises, writes
 its outputs. One barrier per launch.
 
-two_shot (bandwidth): rows are split into W chunks of C = ⌈T/W⌉; rank q owns chunk q. Stage x;
-barrier; reduce-scatter: each rank reduces its own chunk from all W buffers, adds the residual and
-writes the rounded residual_out **in place** over its own staged rows of that chunk (no peer reads
-them: peers read only their own chunks from this buffer); barrier; all-gather: every rank copies
-every chunk from its owner's half and normalises every row locally (same code on the same bits →
-identical outputs). Two barriers per launch.
+two_shot (bandwidth): rows are split into W chunks of C = ⌈T/W⌉; rank q owns chunk q. Scatter:
+rank r writes row i of chunk q straight into rank q's half at row r·C + i (slot r; remote stores,
+no staging copy of x); barrier; reduce: each rank sums the W slots of its own half (local reads, in
+rank order), adds the residual and writes the rounded residual_out into its own slot (row
+rank·C + i, already consumed); barrier; all-gather: every rank reads chunk q from rank q's half
+(row q·C + i) and normalises every row locally (same code on the same bits → identical outputs).
+Two barriers per launch. (``two_shot_staged=True`` keeps the earlier form for comparison: stage x
+into the own half, barrier, reduce by reading the peers' halves.)
+
+lamport (latency, 16-bit dtypes): no barrier at all. The Lamport region starts out filled with the
+sentinel -0.0 (bits 0x8000) and is returned to that state by every launch. Rank r writes its rows
+of x, with -0.0 replaced by +0.0 (same value), straight into slot r of every rank's region (remote
+stores); each rank then reads its own W slots of the same rows, spinning while any element is
+still the sentinel, sums in rank order, adds the residual, normalises, and puts the sentinel back
+in the slots it read. Data arrival is the synchronisation: one one-way NVLink trip instead of a
+barrier round trip plus remote reads. Slots alternate with the epoch parity: a peer can run at most
+one launch ahead (its launch cannot finish without this rank's data for it), so the slots a rank
+clears during launch E are next written by launch E + 2, which starts only after launch E here has
+finished. fp32 has no spare bit pattern that every input could avoid, so it stays on one_shot.
 
 Programs are persistent (grid ≤ SM count, ≤ MAX_BLOCKS) so that every program of every rank is
 co-resident.
@@ -81,7 +96,12 @@ _MAX_BLOCKS = tl.constexpr(MAX_BLOCKS)
 _DATA_OFFSET = tl.constexpr(DATA_OFFSET)
 _EPOCH_MASK = tl.constexpr(EPOCH_MASK)
 
-ALGOS = ("one_shot", "two_shot")
+LAMPORT_ALIGN = 256  # bytes; Lamport slots start aligned like the halves
+LAMPORT_SENTINEL_BITS = -32768  # int16 view of bf16/fp16 -0.0 (0x8000): "not written yet"
+_LAMPORT_SENTINEL_BITS = tl.constexpr(LAMPORT_SENTINEL_BITS)
+
+ALGOS = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
+LAMPORT_ALGOS = ("lamport", "lamport_two_shot")
 
 
 def half_bytes(capacity: int) -> int:
@@ -89,14 +109,38 @@ def half_bytes(capacity: int) -> int:
     return (capacity // 2) // HALF_ALIGN * HALF_ALIGN
 
 
-def workspace_bytes(T: int, H: int, element_size: int, algo: str) -> int:
+def lamport_region_bytes(world: int, slot_bytes: int) -> int:
+    """Bytes of the Lamport region: two parities × ``world`` slots of ``slot_bytes``."""
+    return 2 * world * slot_bytes
+
+
+def lamport_fits(T: int, H: int, element_size: int, algo: str, world: int, slot_bytes: int) -> bool:
+    """Whether a Lamport call fits a region of ``world`` slots of ``slot_bytes`` per parity:
+    one-shot needs T·H·e per slot; two-shot needs 2·W·⌈T/W⌉·H·e in all (scatter + gather)."""
+    if element_size != 2:
+        return False
+    if algo == "lamport":
+        return T * H * element_size <= slot_bytes
+    return 2 * world * (-(-T // world)) * H * element_size <= world * slot_bytes
+
+
+def lamport_offset(capacity: int) -> int:
+    """Byte offset of the Lamport region from the start of a pool buffer (after both halves)."""
+    return DATA_OFFSET + 2 * half_bytes(capacity)
+
+
+def workspace_bytes(T: int, H: int, element_size: int, algo: str, world: int = 1) -> int:
     """Bytes of the pool's data region a call needs (both halves; the signal region is extra).
 
-    Both algorithms stage ``x`` into one half (two_shot writes its reduced chunk in place).
-    ``algo`` is accepted for symmetry with older layouts and does not change the answer.
+    one_shot stages ``x`` into one half; two_shot scatters it into the owners' halves in ``world``
+    slots of ⌈T / world⌉ rows (and writes its reduced chunk in place); lamport uses its own slots.
     """
-    del algo
-    n = T * H * element_size
+    rows = T
+    if algo == "two_shot":
+        rows = -(-T // world) * world
+    elif algo in LAMPORT_ALGOS:
+        rows = 0
+    n = rows * H * element_size
     return 2 * ((n + HALF_ALIGN - 1) // HALF_ALIGN * HALF_ALIGN)
 
 
@@ -166,6 +210,63 @@ def _sum_peers(
 
 
 @triton.jit
+def _lamport_slot(peer_bases_ptr, r, byte_off, dtype: tl.constexpr):
+    """Typed pointer ``byte_off`` bytes into rank ``r``'s buffer (a Lamport slot; 16-byte
+    aligned like the halves)."""
+    base = (tl.load(peer_bases_ptr + r) + byte_off).to(tl.pointer_type(dtype))
+    return tl.multiple_of(base, 16)
+
+
+@triton.jit
+def _lamport_gather(
+    own_slots,  # byte offset of the first slot in the own buffer (int64)
+    own_base,  # int64 address of the own buffer
+    slot_stride,  # bytes between consecutive slots
+    offset,  # element offset of the row inside a slot (int64)
+    cols,
+    mask,
+    dtype: tl.constexpr,
+    SLOTS: tl.constexpr,
+):
+    """(fp32 Σ_r slot_r[offset + cols] over r = 0…SLOTS−1 in order, number of elements still
+    holding the sentinel). Volatile loads: peers write these slots over NVLink behind the L1."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    empty = tl.zeros(cols.shape, dtype=tl.int32)
+    for r in tl.static_range(SLOTS):
+        src = (own_base + own_slots + r * slot_stride).to(tl.pointer_type(dtype))
+        src = tl.multiple_of(src, 16) + offset
+        v = tl.load(src + cols, mask=mask, other=0.0, volatile=True)
+        empty += ((v.to(tl.int16, bitcast=True) == _LAMPORT_SENTINEL_BITS) & mask).to(tl.int32)
+        acc += v.to(tl.float32)
+    return acc, tl.sum(empty, axis=0)
+
+
+@triton.jit
+def _lamport_wait_sum(own_slots, own_base, slot_stride, offset, cols, mask, dtype: tl.constexpr,
+                      SLOTS: tl.constexpr):  # fmt: skip
+    """Spin until SLOTS rows have landed, sum them in order (fp32), put the sentinel back (the
+    next launch writing these rows is launch E + 2, which starts after this one finished)."""
+    acc, pending = _lamport_gather(
+        own_slots, own_base, slot_stride, offset, cols, mask, dtype, SLOTS
+    )
+    while pending > 0:  # some row has not fully landed yet: read all of them again
+        acc, pending = _lamport_gather(
+            own_slots, own_base, slot_stride, offset, cols, mask, dtype, SLOTS
+        )
+    empty_row = tl.full(cols.shape, _LAMPORT_SENTINEL_BITS, tl.int16).to(dtype, bitcast=True)
+    for r in tl.static_range(SLOTS):
+        dst = (own_base + own_slots + r * slot_stride).to(tl.pointer_type(dtype))
+        tl.store(tl.multiple_of(dst, 16) + offset + cols, empty_row, mask=mask)
+    return acc
+
+
+@triton.jit
+def _not_sentinel(v):
+    """-0.0 marks an empty Lamport element: send +0.0 instead (the same value)."""
+    return tl.where(v == 0, tl.zeros_like(v), v)
+
+
+@triton.jit
 def _norm_store(
     v,  # [BLOCK_H] rounded residual_out, input dtype
     w,  # [BLOCK_H] fp32 weight
@@ -215,6 +316,8 @@ def _allreduce_fused_kernel(
     rows_per_rank,  # C = ⌈T / W⌉ (two_shot)
     rank,
     half_bytes,  # bytes between the two data halves
+    lamport_off,  # bytes from a buffer's start to its Lamport region (LAMPORT)
+    slot_bytes,  # bytes of one Lamport slot (LAMPORT)
     eps,
     # strides (elements)
     stride_x_t,
@@ -226,6 +329,9 @@ def _allreduce_fused_kernel(
     WORLD_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TWO_SHOT: tl.constexpr,
+    PUSH: tl.constexpr,  # two_shot: scatter x into the owners' halves instead of staging it
+    LAMPORT: tl.constexpr,
+    SPLIT: tl.constexpr,  # lamport: column pieces per row in the push phases
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
     STORE_RSTD: tl.constexpr,
@@ -233,6 +339,7 @@ def _allreduce_fused_kernel(
     """ro = round(Σ_r x_r + residual) (fp32 sum in rank order); y = RMSNorm(ro) · w."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
+    BLOCK_S: tl.constexpr = BLOCK_H // SPLIT
     epoch = (tl.load(ctl_ptr, volatile=True) + 1) & _EPOCH_MASK
     parity = epoch & 1
     channel = parity * 2
@@ -247,7 +354,89 @@ def _allreduce_fused_kernel(
     else:
         w = tl.zeros([BLOCK_H], dtype=tl.float32)
 
-    if not TWO_SHOT:
+    if LAMPORT:
+        tl.static_assert(dtype.primitive_bitwidth == 16, "lamport needs a 16-bit dtype")
+        own_base = tl.load(peer_bases_ptr + rank)
+        slots = lamport_off + (parity * WORLD).to(tl.int64) * slot_bytes  # this launch's region
+        if not TWO_SHOT:
+            # one-shot: row t of rank r goes to slot r of every rank; each rank sums its W slots
+            # (pushed in column pieces: SPLIT× more programs share the remote stores)
+            for u in range(pid, T * SPLIT, num_progs):
+                r64 = tl.cast(u // SPLIT, tl.int64)
+                cs = (u % SPLIT) * BLOCK_S + tl.arange(0, BLOCK_S)
+                ms = cs < H
+                v = _not_sentinel(tl.load(x_ptr + r64 * stride_x_t + cs, mask=ms, other=0.0))
+                for q in tl.static_range(WORLD):
+                    dst = _lamport_slot(peer_bases_ptr, q, slots + rank * slot_bytes, dtype)
+                    tl.store(dst + r64 * H64 + cs, v, mask=ms)
+            for row in range(pid, T, num_progs):
+                r64 = tl.cast(row, tl.int64)
+                if HAS_RESIDUAL:
+                    res = tl.load(res_ptr + r64 * stride_res_t + cols, mask=cmask, other=0.0)
+                acc = _lamport_wait_sum(slots, own_base, slot_bytes, r64 * H64, cols, cmask,
+                                        dtype, WORLD)  # fmt: skip
+                if HAS_RESIDUAL:
+                    acc += res.to(tl.float32)
+                v = acc.to(dtype)
+                tl.store(ro_ptr + r64 * stride_ro_t + cols, v, mask=cmask)
+                if HAS_NORM:
+                    _norm_store(v, w, r64, cols, cmask, True, y_ptr, rstd_ptr, stride_y_t, H,
+                                eps, STORE_RSTD)  # fmt: skip
+        else:
+            # two-shot: rows [r·C + i] of a region are rank r's share of this rank's chunk
+            # (scatter), rows [W·C + q·C + i] the reduced chunk q from its owner (gather)
+            C64 = tl.cast(rows_per_rank, tl.int64)
+            chunk_bytes = C64 * H64 * dtype.primitive_bitwidth // 8
+            gather = slots + WORLD * chunk_bytes
+            # scatter and reduce work in column pieces (no norm there): SPLIT× more programs
+            for u in range(pid, rows_per_rank * SPLIT, num_progs):
+                i = u // SPLIT
+                cs = (u % SPLIT) * BLOCK_S + tl.arange(0, BLOCK_S)
+                for q in tl.static_range(WORLD):
+                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                    m = (cs < H) & (r64 < T)
+                    v = _not_sentinel(tl.load(x_ptr + r64 * stride_x_t + cs, mask=m, other=0.0))
+                    dst = _lamport_slot(peer_bases_ptr, q, slots, dtype)
+                    tl.store(dst + (rank * C64 + i) * H64 + cs, v, mask=m)
+            for u in range(pid, rows_per_rank * SPLIT, num_progs):
+                i = u // SPLIT
+                cs = (u % SPLIT) * BLOCK_S + tl.arange(0, BLOCK_S)
+                r64 = tl.cast(rank * rows_per_rank + i, tl.int64)
+                m = (cs < H) & (r64 < T)
+                if HAS_RESIDUAL:
+                    res = tl.load(res_ptr + r64 * stride_res_t + cs, mask=m, other=0.0)
+                acc = _lamport_wait_sum(slots, own_base, chunk_bytes, i * H64, cs, m, dtype,
+                                        WORLD)  # fmt: skip
+                if HAS_RESIDUAL:
+                    acc += res.to(tl.float32)
+                v = _not_sentinel(acc.to(dtype))
+                for q in tl.static_range(WORLD):
+                    dst = _lamport_slot(peer_bases_ptr, q, gather, dtype)
+                    tl.store(dst + (rank * C64 + i) * H64 + cs, v, mask=m)
+            # gather + norm, whole rows. With SPLIT > 1 (GPU only: every program co-resident)
+            # the rows are dealt over the whole grid; with SPLIT == 1 program p handles the rows
+            # that program p of every owner reduced, so the interpreter, which runs programs one
+            # after another, never waits on a program that has not run yet.
+            n_units = T if SPLIT > 1 else rows_per_rank
+            for u in range(pid, n_units, num_progs):
+                for k in tl.static_range(1 if SPLIT > 1 else WORLD):
+                    if SPLIT > 1:
+                        q = u // rows_per_rank
+                        i = u % rows_per_rank
+                    else:
+                        q = k
+                        i = u
+                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                    rmask = r64 < T
+                    m = cmask & rmask
+                    acc = _lamport_wait_sum(gather + q * chunk_bytes, own_base, 0, i * H64, cols,
+                                            m, dtype, 1)  # fmt: skip
+                    v = acc.to(dtype)
+                    tl.store(ro_ptr + r64 * stride_ro_t + cols, v, mask=m)
+                    if HAS_NORM:
+                        _norm_store(v, w, r64, cols, cmask, rmask, y_ptr, rstd_ptr, stride_y_t,
+                                    H, eps, STORE_RSTD)  # fmt: skip
+    elif not TWO_SHOT:
         # stage this program's rows of x into the own buffer
         for row in range(pid, T, num_progs):
             r64 = tl.cast(row, tl.int64)
@@ -268,13 +457,26 @@ def _allreduce_fused_kernel(
                     v, w, r64, cols, cmask, True, y_ptr, rstd_ptr, stride_y_t, H, eps, STORE_RSTD
                 )
     else:
-        # stage: this program's local index i of every rank's chunk
-        for i in range(pid, rows_per_rank, num_progs):
-            for q in tl.static_range(WORLD):
-                r64 = tl.cast(q * rows_per_rank + i, tl.int64)
-                m = cmask & (r64 < T)
-                v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
-                tl.store(own_in + r64 * H64 + cols, v, mask=m)
+        C64 = tl.cast(rows_per_rank, tl.int64)
+        if PUSH:
+            # scatter: row i of chunk q goes straight into slot `rank` of rank q's half (row
+            # rank·C + i there): the reduce below then reads only local memory, and x is not
+            # first copied into the own buffer
+            for i in range(pid, rows_per_rank, num_progs):
+                for q in tl.static_range(WORLD):
+                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                    m = cmask & (r64 < T)
+                    v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
+                    dst = _data_ptr(peer_bases_ptr, q, half_off, dtype)
+                    tl.store(dst + (rank * C64 + i) * H64 + cols, v, mask=m)
+        else:
+            # stage: this program's local index i of every rank's chunk
+            for i in range(pid, rows_per_rank, num_progs):
+                for q in tl.static_range(WORLD):
+                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                    m = cmask & (r64 < T)
+                    v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
+                    tl.store(own_in + r64 * H64 + cols, v, mask=m)
         _sync_peers(peer_bases_ptr, rank, channel, epoch, WORLD, WORLD_P2)
         # reduce-scatter: the rows of the own chunk, written back in place (rounded)
         for i in range(pid, rows_per_rank, num_progs):
@@ -282,9 +484,16 @@ def _allreduce_fused_kernel(
             m = cmask & (r64 < T)
             if HAS_RESIDUAL:
                 res = tl.load(res_ptr + r64 * stride_res_t + cols, mask=m, other=0.0)
-            acc = _sum_peers(peer_bases_ptr, half_off, r64 * H64, cols, m, dtype, WORLD)
+            if PUSH:  # Σ_r slot r, row i of the own half, in rank order
+                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for r in tl.static_range(WORLD):
+                    src = own_in + (r * C64 + i) * H64
+                    acc += tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
+            else:
+                acc = _sum_peers(peer_bases_ptr, half_off, r64 * H64, cols, m, dtype, WORLD)
             if HAS_RESIDUAL:
                 acc += res.to(tl.float32)
+            # (PUSH: row rank·C + i is slot `rank`, this rank's own, already summed)
             tl.store(own_in + r64 * H64 + cols, acc.to(dtype), mask=m)
         _sync_peers(peer_bases_ptr, rank, channel + 1, epoch, WORLD, WORLD_P2)
         # all-gather + local norm of every row
@@ -319,8 +528,29 @@ def _allreduce_fused_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _grid_size(T: int, world: int, algo: str, max_programs: int) -> int:
-    work = triton.cdiv(T, world) if algo == "two_shot" else T
+def _lamport_split(work: int, max_programs: int, BLOCK_H: int, num_warps: int) -> int:
+    """Column pieces per row for the Lamport push phases (``work`` rows to push per rank).
+
+    More pieces spread the remote stores over more SMs; measured on 4 H200s (bf16): 4 pieces
+    while the rows alone cannot fill the grid (T = 64, 256: 8.3 → 7.8 µs, 26.1 → 22.8 µs at
+    H = 7168), else 2 (T = 1024, H = 4096: 48.2 µs with 2, 49.9 with 4, 53.1 with 1). A piece
+    keeps ≥ 4 elements per thread. Always 1 in the interpreter: pieces make programs wait on
+    other programs of the same launch, which the interpreter runs one after another."""
+    if interpret_mode():
+        return 1
+    split = 4 if work < max_programs else 2
+    while split > 1 and BLOCK_H // split < 4 * 32 * num_warps:
+        split //= 2
+    return split
+
+
+def _grid_size(T: int, world: int, algo: str, max_programs: int, split: int = 1) -> int:
+    """One program per row (one_shot) or per row of a chunk (two_shot); the Lamport algorithms
+    also count the column pieces of their push phases. At most one per SM so that every program
+    of every rank is co-resident."""
+    work = triton.cdiv(T, world) if algo in ("two_shot", "lamport_two_shot") else T
+    if algo in LAMPORT_ALGOS and split > 1:
+        work = max(work * split, T)
     return max(1, min(work, max_programs, MAX_BLOCKS))
 
 
@@ -355,23 +585,50 @@ class FusedAllreducePlan:
         peer_bases: torch.Tensor,  # [W] int64 on device
         ctl: torch.Tensor,  # [≥ CTL_WORDS] int32 on device (the pool's epochs)
         rank: int,
-        algo: str,  # "one_shot" | "two_shot"
+        algo: str,  # one of ALGOS
         max_programs: int,
         half_bytes: int,  # bytes between the pool's two data halves
+        lamport_off: int = 0,  # bytes from a buffer's start to its Lamport region
+        lamport_slot_bytes: int = 0,  # bytes of one Lamport slot (0: no Lamport region)
+        two_shot_staged: bool = False,  # the older two_shot (stage, then pull) for comparison
+        lamport_split: int | None = None,  # override the push phases' column pieces (tuning)
+        num_warps: int | None = None,  # override the warps per program (tuning)
     ) -> None:
+        if algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         world = peer_bases.numel()
+        if algo in LAMPORT_ALGOS:
+            if dtype not in (torch.bfloat16, torch.float16):
+                raise ValueError(f"{algo} needs bf16 or fp16 x, got {dtype}")
+            if not lamport_fits(T, H, 2, algo, world, lamport_slot_bytes):
+                raise ValueError(
+                    f"{algo} with T={T}, H={H} does not fit {world} Lamport slots of "
+                    f"{lamport_slot_bytes} B"
+                )
         self.T, self.H, self.dtype, self.device = T, H, dtype, device
         self.has_residual, self.has_norm = has_residual, has_norm
         self.store_rstd = store_rstd and has_norm
-        self.two_shot = algo == "two_shot"
-        self.grid = _grid_size(T, world, algo, max_programs)
+        self.two_shot = algo in ("two_shot", "lamport_two_shot")
         self.peer_bases, self.ctl = peer_bases, ctl
         BLOCK_H = block_h(H)
-        # (T, H, rows_per_rank, rank, half_bytes) and the strides of contiguous [T, H] tensors
-        self._static = (T, H, triton.cdiv(T, world), rank, half_bytes)
-        self._meta = (world, triton.next_power_of_2(world), BLOCK_H, self.two_shot,
-                      has_residual, has_norm, self.store_rstd)  # fmt: skip
-        self._num_warps = num_warps_for(BLOCK_H)
+        if num_warps is None:
+            # two_shot streams rows through few programs: 4 warps with long rows per thread
+            # measured best on 4 H200s at T = 16384 (H = 7168: 1137 µs vs 1146 with 8 or 16)
+            num_warps = 4 if algo == "two_shot" and BLOCK_H <= 8192 else num_warps_for(BLOCK_H)
+        self._num_warps = num_warps
+        work = triton.cdiv(T, world) if algo == "lamport_two_shot" else T
+        max_p = min(max_programs, MAX_BLOCKS)
+        split = _lamport_split(work, max_p, BLOCK_H, num_warps) if algo in LAMPORT_ALGOS else 1
+        if lamport_split is not None and algo in LAMPORT_ALGOS and not interpret_mode():
+            split = lamport_split
+        self.grid = _grid_size(T, world, algo, max_programs, split)
+        # (T, H, rows_per_rank, rank, half_bytes, lamport_off, slot_bytes)
+        self._static = (T, H, triton.cdiv(T, world), rank, half_bytes, lamport_off,
+                        lamport_slot_bytes)  # fmt: skip
+        push = algo == "two_shot" and not two_shot_staged
+        self._meta = (world, triton.next_power_of_2(world), BLOCK_H, self.two_shot, push,
+                      algo in LAMPORT_ALGOS, split, has_residual, has_norm,
+                      self.store_rstd)  # fmt: skip
         self._compiled: dict[int, object] = {}  # input-alignment bits → CompiledKernel
         self._direct = device.type == "cuda" and not interpret_mode()
 
@@ -430,9 +687,12 @@ class FusedAllreducePlan:
             WORLD_P2=self._meta[1],
             BLOCK_H=self._meta[2],
             TWO_SHOT=self._meta[3],
-            HAS_RESIDUAL=self._meta[4],
-            HAS_NORM=self._meta[5],
-            STORE_RSTD=self._meta[6],
+            PUSH=self._meta[4],
+            LAMPORT=self._meta[5],
+            SPLIT=self._meta[6],
+            HAS_RESIDUAL=self._meta[7],
+            HAS_NORM=self._meta[8],
+            STORE_RSTD=self._meta[9],
             num_warps=self._num_warps,
         )
 
@@ -450,10 +710,13 @@ def allreduce_fused(
     peer_bases: torch.Tensor,  # [W] int64 on x's device
     epochs: torch.Tensor,  # [≥ CTL_WORDS] int32 on x's device (launch epoch, arrival counter)
     rank: int,
-    algo: str,  # "one_shot" | "two_shot"
+    algo: str,  # one of ALGOS
     max_programs: int,
     half_bytes: int,  # bytes between the two data halves (:func:`half_bytes` of the capacity)
     store_rstd: bool = False,
+    lamport_off: int = 0,  # bytes from a buffer's start to its Lamport region
+    lamport_slot_bytes: int = 0,
+    two_shot_staged: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One-off launch (builds a :class:`FusedAllreducePlan` and calls it).
 
@@ -466,5 +729,7 @@ def allreduce_fused(
         T=T, H=H, dtype=x.dtype, device=x.device, has_residual=residual is not None,
         has_norm=weight is not None, store_rstd=store_rstd, peer_bases=peer_bases, ctl=epochs,
         rank=rank, algo=algo, max_programs=max_programs, half_bytes=half_bytes,
+        lamport_off=lamport_off, lamport_slot_bytes=lamport_slot_bytes,
+        two_shot_staged=two_shot_staged,
     )  # fmt: skip
     return plan(x, residual, weight, eps)

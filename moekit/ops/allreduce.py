@@ -9,6 +9,11 @@ and :func:`allreduce` run through the same machinery.
 Algorithms (``algo=``):
   - ``"one_shot"``: every rank reads all peers (lowest latency, small messages);
   - ``"two_shot"``: reduce-scatter + all-gather inside one kernel (large messages, W ≥ 4);
+  - ``"lamport"``: like one_shot without the barrier: every rank pushes its rows into sentinel-
+    filled slots of every peer and readers spin on the data itself (bf16/fp16, messages up to the
+    pool's Lamport slot; other calls asking for it take one_shot with a one-time warning);
+  - ``"lamport_two_shot"``: two_shot's data movement (push reduce-scatter, push all-gather) with
+    Lamport slots instead of barriers (bf16/fp16, up to W/2 Lamport slots; else two_shot);
   - ``"nccl"``: ``torch.distributed.all_reduce`` then the local fused add + RMSNorm kernel;
   - ``"reference"``: all_gather + fp32 sum in rank order (the oracle; any backend);
   - ``"auto"``: one_shot / two_shot / nccl by message size and world size (see :func:`auto_algo`);
@@ -67,8 +72,9 @@ __all__ = [
     "set_auto_thresholds",
 ]
 
-ALGOS = ("auto", "one_shot", "two_shot", "nccl", "reference")
-_SYMM_ALGOS = ("one_shot", "two_shot")
+ALGOS = ("auto", "one_shot", "two_shot", "lamport", "lamport_two_shot", "nccl", "reference")
+_SYMM_ALGOS = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
+_LAMPORT_FALLBACK = {"lamport": "one_shot", "lamport_two_shot": "two_shot"}
 
 # ----------------------------------------------------------------------------------------------
 # algorithm selection
@@ -83,24 +89,63 @@ _SYMM_ALGOS = ("one_shot", "two_shot")
 # N ≈ 3e-6 · 450e9 / ((W−1)(1 − 2/W)) (≈ 0.26 MB for W = 8). Tune with set_auto_thresholds() or
 # MOEKIT_AR_ONE_SHOT_MAX_KB / MOEKIT_AR_TWO_SHOT_MAX_KB (the benchmark prints suggested values).
 _MEASURED_ONE_SHOT_MAX = {2: math.inf, 4: 1 << 20}
+_MEASURED_LAMPORT_MAX: dict[int, float] = {4: 64 << 10}
+_MEASURED_LAMPORT_TWO_SHOT_MAX: dict[int, float] = {4: 8 << 20}
 _BARRIER_S = 3e-6
 _NVLINK_BPS = 450e9
-_overrides: dict[str, int | None] = {"one_shot_max": None, "two_shot_max": None}
+_overrides: dict[str, int | None] = {
+    "one_shot_max": None,
+    "two_shot_max": None,
+    "lamport_max": None,
+    "lamport_two_shot_max": None,
+}
 
 
 def set_auto_thresholds(
-    one_shot_max_bytes: int | None = None, two_shot_max_bytes: int | None = None
+    one_shot_max_bytes: int | None = None,
+    two_shot_max_bytes: int | None = None,
+    lamport_max_bytes: int | None = None,
+    lamport_two_shot_max_bytes: int | None = None,
 ) -> None:
-    """Override ``auto``: one_shot up to ``one_shot_max_bytes``, two_shot up to
-    ``two_shot_max_bytes``, NCCL above (``None`` restores the default / environment).
+    """Override ``auto``. For bf16/fp16: lamport up to ``lamport_max_bytes``, then
+    lamport_two_shot up to ``lamport_two_shot_max_bytes`` (each only where the message fits the
+    pool's Lamport slots); then, for every dtype: one_shot up to ``one_shot_max_bytes``, two_shot
+    up to ``two_shot_max_bytes``, NCCL above. ``None`` restores the default / environment.
     Drops the cached launch plans, so the next call of every shape re-decides."""
     _overrides["one_shot_max"] = one_shot_max_bytes
     _overrides["two_shot_max"] = two_shot_max_bytes
+    _overrides["lamport_max"] = lamport_max_bytes
+    _overrides["lamport_two_shot_max"] = lamport_two_shot_max_bytes
     _plans.clear()
 
 
-def auto_algo(nbytes: int, world_size: int) -> str:
-    """The algorithm ``auto`` picks for a message of ``nbytes`` (T·H·element size)."""
+def _threshold(name: str, env: str, measured: dict[int, float], world_size: int) -> float:
+    value = _overrides[name]
+    if value is None:
+        value = env_kib(env)
+    if value is None:
+        value = measured.get(world_size, 0)
+    return value
+
+
+def auto_algo(nbytes: int, world_size: int, sixteen_bit: bool = False) -> str:
+    """The algorithm ``auto`` picks for a message of ``nbytes`` (T·H·element size);
+    ``sixteen_bit``: bf16/fp16, so the Lamport algorithms are candidates (the op still checks
+    that the message fits the pool's Lamport slots and takes the plain twin otherwise)."""
+    if sixteen_bit:
+        lam = _threshold(
+            "lamport_max", "MOEKIT_AR_LAMPORT_MAX_KB", _MEASURED_LAMPORT_MAX, world_size
+        )
+        lam2 = _threshold(
+            "lamport_two_shot_max",
+            "MOEKIT_AR_LAMPORT_TWO_SHOT_MAX_KB",
+            _MEASURED_LAMPORT_TWO_SHOT_MAX,
+            world_size,
+        )
+        if nbytes <= lam:
+            return "lamport"
+        if nbytes <= lam2:
+            return "lamport_two_shot"
     one_max = _overrides["one_shot_max"]
     if one_max is None:
         one_max = env_kib("MOEKIT_AR_ONE_SHOT_MAX_KB")
@@ -130,16 +175,19 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=5)
 
 
-def _symm_unusable(pool: SymmetricPool, T: int, H: int, element_size: int) -> tuple[str, str]:
-    """("", "") when the symmetric kernels can run this call, else (warning key, reason)."""
+def _symm_unusable(
+    pool: SymmetricPool, T: int, H: int, element_size: int, algo: str
+) -> tuple[str, str]:
+    """("", "") when the symmetric kernels can run this call with ``algo``, else (warning key,
+    reason). Lamport's slots are checked by the caller (``pool.lamport_fits``)."""
     if not pool.available:
         return "unavailable", f"symmetric memory unavailable: {pool.reason}"
     if H > _kar.MAX_FUSED_H:
         return "wide", f"H = {H} > {_kar.MAX_FUSED_H}, the widest row the fused kernels hold"
     if (H * element_size) % 16:
         return "align", f"rows of H = {H} × {element_size} B are not a multiple of 16 bytes"
-    need = _kar.workspace_bytes(T, H, element_size, "one_shot")
-    if not pool.fits(need):
+    need = _kar.workspace_bytes(T, H, element_size, algo, pool.world_size)
+    if algo != "lamport" and not pool.fits(need):
         return "small", (
             f"needs {need} B of symmetric memory (two halves of T·H·e), the pool has "
             f"{pool.capacity} B (raise MOEKIT_SYMM_POOL_MB or pass a larger SymmetricPool)"
@@ -247,10 +295,26 @@ def _build_plan(
             algo = "reference"
     if algo == "auto" or algo in _SYMM_ALGOS:
         pool = get_pool(group)
+        nbytes = T * H * x.element_size()
         if algo == "auto":
-            algo = auto_algo(T * H * x.element_size(), world)
+            algo = auto_algo(nbytes, world, x.element_size() == 2)
+            if algo in _LAMPORT_FALLBACK and not pool.lamport_fits(T, H, x.dtype, algo):
+                algo = _LAMPORT_FALLBACK[algo]
+        elif (
+            algo in _LAMPORT_FALLBACK
+            and pool.available
+            and not pool.lamport_fits(T, H, x.dtype, algo)
+        ):
+            plain = _LAMPORT_FALLBACK[algo]
+            _warn_once(
+                f"{algo}:{x.dtype}:{nbytes}",
+                f"allreduce: algo={algo!r} needs bf16/fp16 and a message that fits the "
+                f"pool's Lamport slots ({pool.world_size} × {pool.lamport_slot_bytes} B); "
+                f"got {x.dtype}, {nbytes} B: using {plain}",
+            )
+            algo = plain
         if algo in _SYMM_ALGOS:
-            key, why = _symm_unusable(pool, T, H, x.element_size())
+            key, why = _symm_unusable(pool, T, H, x.element_size(), algo)
             if key:
                 _warn_once(
                     f"{key}:{getattr(group, 'group_name', id(group))}",
@@ -272,6 +336,8 @@ def _build_plan(
                     algo=algo,
                     max_programs=min(device_sms(x), _kar.MAX_BLOCKS),
                     half_bytes=pool.half_bytes,
+                    lamport_off=pool.lamport_offset,
+                    lamport_slot_bytes=pool.lamport_slot_bytes,
                 )
                 return _Plan("symm", group, need_rstd, kernel=kernel)
     if algo == "reference":

@@ -32,7 +32,8 @@ from moekit.ops.rmsnorm import add_rmsnorm
 from moekit.reference.allreduce import gather_allreduce_ref
 from moekit.reference.rmsnorm import add_rmsnorm_ref
 
-ALGOS = ("one_shot", "two_shot", "nccl", "auto")
+ALGOS = ("one_shot", "two_shot", "lamport", "lamport_two_shot", "nccl", "auto")
+SYMM = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
 
 
 def _log(msg: str) -> None:
@@ -73,7 +74,7 @@ def check_algos_vs_reference(device: torch.device) -> None:
                 n, ro = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
                 tag = f"{algo} T={T} H={H} {dtype}"
                 assert _same_on_all_ranks(n) and _same_on_all_ranks(ro), f"ranks differ: {tag}"
-                if algo in ("one_shot", "two_shot"):
+                if algo in SYMM:
                     assert torch.equal(ro, ref_ro), f"residual_out not bit-exact: {tag}"
                     assert torch.equal(allreduce(x, algo=algo), ref_sum), f"allreduce: {tag}"
                     assert torch.equal(allreduce_add(x, residual, algo=algo), ref_ro), tag
@@ -92,7 +93,7 @@ def check_repeated_calls(device: torch.device, iters: int = 1000) -> None:
     t0 = time.perf_counter()
     for i in range(iters):
         T = Ts[i % len(Ts)]
-        algo = ("one_shot", "two_shot")[(i // len(Ts)) % 2]
+        algo = SYMM[(i // len(Ts)) % len(SYMM)]
         x, residual, weight = _inputs(T, H, torch.bfloat16, seed=10_000 + i, device=device)
         n, ro = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
         ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
@@ -123,7 +124,7 @@ def check_back_to_back(device: torch.device, calls: int = 240) -> None:
     for i, (x, residual) in enumerate(inputs):
         if (i // 3) % world == rank:
             torch.cuda._sleep(50_000)  # ≈ 25 µs of GPU time on this rank only
-        algo = ("one_shot", "two_shot", "auto")[i % 3]
+        algo = (*SYMM, "auto")[i % (len(SYMM) + 1)]
         outs.append(allreduce_add_rmsnorm(x, residual, weight, algo=algo))
     torch.cuda.synchronize()
     bad = 0
@@ -144,11 +145,11 @@ def check_cached_plans_and_alignment(device: torch.device) -> None:
     ops = importlib.import_module("moekit.ops.allreduce")
     T, H = 24, 4096
     x, residual, weight = _inputs(T, H, torch.bfloat16, seed=77, device=device)
-    for algo in ("one_shot", "two_shot"):
+    for algo in SYMM:
         for _ in range(3):
             allreduce_add_rmsnorm(x, residual, weight, algo=algo)
     n_plans = len(ops._plans)
-    for algo in ("one_shot", "two_shot"):
+    for algo in SYMM:
         for rep in range(5):
             x, residual, _ = _inputs(T, H, torch.bfloat16, seed=78 + rep, device=device)
             ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
@@ -172,13 +173,13 @@ def check_cuda_graph(device: torch.device) -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up (compiles, creates the pool) outside capture
-        for algo in ("one_shot", "two_shot"):
+        for algo in SYMM:
             allreduce_add_rmsnorm(x, residual, weight, algo=algo)
         allreduce(x, algo="one_shot")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for algo in ("one_shot", "two_shot"):
+        for algo in SYMM:
             outs[algo] = allreduce_add_rmsnorm(x, residual, weight, algo=algo)
         outs["plain"] = (allreduce(x, algo="one_shot"),)
     for rep in range(50):
@@ -188,12 +189,44 @@ def check_cuda_graph(device: torch.device) -> None:
         graph.replay()
         ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
         _, ref_sum = gather_allreduce_ref(x, None, None)
-        for algo in ("one_shot", "two_shot"):
+        for algo in SYMM:
             n, ro = outs[algo]
             assert torch.equal(ro, ref_ro), f"graph replay {rep} {algo}: residual_out"
             torch.testing.assert_close(n, ref_n, atol=6e-2, rtol=1.6e-2)
         assert torch.equal(outs["plain"][0], ref_sum), f"graph replay {rep}: allreduce"
-    _log("ok  CUDA-graph capture + 50 replays with new data (one_shot, two_shot, allreduce)")
+    _log("ok  CUDA-graph capture + 50 replays with new data (3 symmetric algos, allreduce)")
+
+
+def check_lamport_specifics(device: torch.device) -> None:
+    """-0.0 inputs (the sentinel's value) must not hang or change the result; fp32 asking for
+    lamport takes one_shot with one warning; afterwards every Lamport slot is empty again."""
+    pool = get_pool()
+    for H in (4096, 7168):
+        x = torch.full((5, H), -0.0, dtype=torch.bfloat16, device=device)
+        residual = torch.zeros_like(x)
+        for algo in ("lamport", "lamport_two_shot"):
+            ro = allreduce_add(x, residual, algo=algo)
+            assert torch.equal(ro, torch.zeros_like(ro)), f"all -0.0 inputs, {algo}"
+        xm, residual, weight = _inputs(33, H, torch.float16, seed=H, device=device)
+        xm[::2] = -0.0
+        _, ref_ro = gather_allreduce_ref(xm, residual, weight, 1e-6)
+        for algo in ("lamport", "lamport_two_shot"):
+            assert torch.equal(allreduce_add_rmsnorm(xm, residual, weight, algo=algo)[1], ref_ro)
+    x, residual, weight = _inputs(8, 1024, torch.float32, seed=9, device=device)
+    _, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ro = allreduce_add_rmsnorm(x, residual, weight, algo="lamport")[1]
+        ro2 = allreduce_add_rmsnorm(x, residual, weight, algo="lamport_two_shot")[1]
+    msgs = [str(w.message) for w in rec]
+    assert any("using one_shot" in m for m in msgs) and any("using two_shot" in m for m in msgs)
+    assert torch.equal(ro, ref_ro) and torch.equal(ro2, ref_ro), "fp32 lamport requests"
+    torch.cuda.synchronize()
+    dist.barrier()
+    region = pool._buffer[pool.lamport_offset :].view(torch.int16)
+    dirty = int((region != -32768).sum())
+    assert dirty == 0, f"{dirty} Lamport slot elements not returned to the sentinel"
+    _log(f"ok  lamport(_two_shot): -0.0 inputs, fp32 → plain twin, {region.numel()} slots clean")
 
 
 def check_pool_reuse() -> None:
@@ -264,7 +297,7 @@ def check_bad_input(device: torch.device) -> None:
 
 def check_backward(device: torch.device) -> None:
     T, H = 96, 4096
-    for algo in ("one_shot", "two_shot", "nccl"):
+    for algo in ("one_shot", "two_shot", "nccl"):  # fp32 (lamport: 16-bit only)
         x, residual, weight = _inputs(T, H, torch.float32, seed=21, device=device)
         dn, dro, _ = _inputs(T, H, torch.float32, seed=22, device=device)
         dn, dro = dn.contiguous(), dro.contiguous()
@@ -295,6 +328,7 @@ def run_checks(*, iters: int = 1000) -> None:
     check_back_to_back(device)
     check_cached_plans_and_alignment(device)
     check_cuda_graph(device)
+    check_lamport_specifics(device)
     check_backward(device)
     check_bad_input(device)
     check_fallback_small_pool(device)  # last: registers a small pool for a new group only

@@ -236,13 +236,18 @@ def test_auto_algo_defaults(monkeypatch):
 # ----------------------------------------------------------------------------------------------
 
 
+_SIM_CAPACITY = 1 << 16
+_SIM_SLOT = 32768  # Lamport slot bytes
+
+
 def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: str) -> None:
     from moekit.kernels import allreduce as kar
 
     bufs = [torch.from_file(p, shared=True, size=nbytes, dtype=torch.uint8) for p in paths]
     peer_bases = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     ctl = torch.zeros(kar.CTL_WORDS, dtype=torch.int32)
-    half = kar.half_bytes(nbytes - kar.DATA_OFFSET)
+    half = kar.half_bytes(_SIM_CAPACITY)
+    lam_off = kar.lamport_offset(_SIM_CAPACITY)
     cases = [
         # (T, H, algo, dtype, max_programs): T=1 leaves ranks without rows in two_shot; T not a
         # multiple of W or of the grid; grids change between calls (epochs must stay in step)
@@ -252,6 +257,17 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
         (9, 16, "one_shot", torch.bfloat16, 4),
         (3, 16, "two_shot", torch.float16, 1),
         (6, 8, "one_shot", torch.float32, 1),
+        # lamport between the others: slots alternate with the shared launch epoch
+        (5, 64, "lamport", torch.bfloat16, 3),
+        (1, 16, "lamport", torch.float16, 2),
+        (7, 32, "two_shot", torch.bfloat16, 2),
+        (9, 32, "lamport", torch.bfloat16, 4),
+        (7, 32, "lamport_two_shot", torch.bfloat16, 2),
+        (1, 16, "lamport_two_shot", torch.float16, 3),
+        (8, 64, "lamport_two_shot", torch.bfloat16, 8),
+        # rows wide enough for the push phases to split them in two column pieces
+        (3, 4096, "lamport_two_shot", torch.bfloat16, 5),
+        (2, 4096, "lamport", torch.float16, 4),
     ]
     results = {}
     for i, (T, H, algo, dtype, progs) in enumerate(cases):
@@ -262,6 +278,7 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             y, ro, rstd = kar.allreduce_fused(
                 shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=ctl, rank=rank,
                 algo=algo, max_programs=progs, half_bytes=half, store_rstd=True,
+                lamport_off=lam_off, lamport_slot_bytes=_SIM_SLOT,
             )  # fmt: skip
             ref_y, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, res, w, 1e-6)
             # fp32: exact (same order of fp32 additions); bf16/fp16: the interpreter truncates
@@ -275,6 +292,9 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             if y is not None:
                 results[f"{i}-{mode}-y"] = y
     results["epochs"] = ctl.clone()
+    # every Lamport launch handed its slots back: the region is all sentinel again
+    region = bufs[rank][lam_off:].view(torch.int16)
+    results["lamport_clean"] = torch.tensor(bool((region == kar.LAMPORT_SENTINEL_BITS).all()))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -284,21 +304,25 @@ def test_symmetric_kernels_in_interpreter(interpret):
         pytest.skip("runs the cross-rank kernels in Triton's interpreter (TRITON_INTERPRET=1)")
     from moekit.kernels import allreduce as kar
 
-    nbytes = kar.DATA_OFFSET + (1 << 16)
+    lam_off = kar.lamport_offset(_SIM_CAPACITY)
+    lam_bytes = kar.lamport_region_bytes(WORLD, _SIM_SLOT)
+    nbytes = lam_off + lam_bytes
+    sentinel = (kar.LAMPORT_SENTINEL_BITS & 0xFFFF).to_bytes(2, "little")
     d = tempfile.mkdtemp()
     try:
         paths = []
         for r in range(WORLD):
             p = os.path.join(d, f"buf{r}")
             with open(p, "wb") as f:
-                f.write(b"\0" * nbytes)
+                f.write(b"\0" * lam_off + sentinel * (lam_bytes // 2))
             paths.append(p)
         mp.spawn(_worker_sim, args=(os.path.join(d, "store"), paths, nbytes, d), nprocs=WORLD)
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
         for key in outs[0]:
             assert torch.equal(outs[0][key], outs[1][key]), f"ranks differ on {key}"
-        # one launch epoch per launch (6 cases × 3 modes); the arrival counter is back at 0
-        assert outs[0]["epochs"].tolist() == [18, 0]
+        # one launch epoch per launch (15 cases × 3 modes); the arrival counter is back at 0
+        assert outs[0]["epochs"].tolist() == [45, 0]
+        assert all(bool(o["lamport_clean"]) for o in outs)
     finally:
         shutil.rmtree(d, ignore_errors=True)
 
