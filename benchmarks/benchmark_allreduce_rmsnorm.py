@@ -8,8 +8,10 @@
    the NCCL fallback with a too-small pool, bad input, backward. ``--skip-checks`` skips it.
 2. Timing grid: tokens × hidden, bf16. Per method and shape, the latency of one call, the maximum
    over ranks of a median over ≥ ``--iters`` (≥ 200) calls, in three modes:
-     ``eager``  : each call timed with CUDA events as it is issued from Python (host-bound when
-                  the call's GPU time is shorter than its launch cost, for every method alike);
+     ``eager``  : ``--graph-calls`` calls issued back to back from Python, each batch timed
+                  with CUDA events and divided by the number of calls; median over the batches
+                  (host-bound when a call's GPU time is shorter than its launch cost, for every
+                  method alike; batching keeps one rank's host jitter from landing on one call);
      ``graph``  : ``--graph-calls`` calls captured back to back in one CUDA graph; each replay is
                   timed with CUDA events and divided by the number of calls, the median over the
                   replays is reported (device latency per call, the way nccl-tests and vLLM's
@@ -168,19 +170,24 @@ def _median_max_over_ranks(times_ms: list[float], device) -> float:
     return float(med.item()) * 1e3  # µs
 
 
-def time_eager(fn, iters: int, device) -> float:
+def time_eager(fn, iters: int, device, calls: int = 1) -> float:
+    """Median per-call latency of ``calls`` back-to-back eager calls timed together (≥ ``iters``
+    calls in all, ≥ 10 batches); ``calls = 1`` times every call alone."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     dist.barrier()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
+    batches = max(-(-iters // calls), 10)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
+    for i in range(batches):
         starts[i].record()
-        fn()
+        for _ in range(calls):
+            fn()
         ends[i].record()
     torch.cuda.synchronize()
-    return _median_max_over_ranks([s.elapsed_time(e) for s, e in zip(starts, ends)], device)
+    per_call = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
+    return _median_max_over_ranks(per_call, device)
 
 
 def time_graph(fn, iters: int, device, calls: int = 1) -> float:
@@ -409,7 +416,7 @@ def main() -> None:
                 for mode in args.modes:
                     try:
                         if mode == "eager":
-                            us = time_eager(fn, args.iters, device)
+                            us = time_eager(fn, args.iters, device, args.graph_calls)
                         else:
                             calls = args.graph_calls if mode == "graph" else 1
                             us = time_graph(fn, args.iters, device, calls)

@@ -80,17 +80,19 @@ _LAMPORT_FALLBACK = {"lamport": "one_shot", "lamport_two_shot": "two_shot"}
 # algorithm selection
 # ----------------------------------------------------------------------------------------------
 
-# Defaults from the H200 measurements (docs/allreduce_rmsnorm.md, bf16, CUDA graphs): with two
-# ranks one_shot is the fastest of one_shot / two_shot / NCCL at every size measured
-# (0.01 … 235 MB); with four, one_shot up to ≈ 1 MB and two_shot above. Both beat NCCL + add +
-# norm at every size, so NCCL is never picked by default. Other world sizes use the cost model:
-# one_shot moves (W−1)·N bytes into each GPU, two_shot 2(W−1)/W·N plus one more barrier; with
-# ≈ 3 µs per extra barrier and ≈ 450 GB/s NVLink ingress, two_shot wins above
-# N ≈ 3e-6 · 450e9 / ((W−1)(1 − 2/W)) (≈ 0.26 MB for W = 8). Tune with set_auto_thresholds() or
-# MOEKIT_AR_ONE_SHOT_MAX_KB / MOEKIT_AR_TWO_SHOT_MAX_KB (the benchmark prints suggested values).
-_MEASURED_ONE_SHOT_MAX = {2: math.inf, 4: 1 << 20}
-_MEASURED_LAMPORT_MAX: dict[int, float] = {4: 64 << 10}
-_MEASURED_LAMPORT_TWO_SHOT_MAX: dict[int, float] = {4: 8 << 20}
+# Defaults from the H200 measurements (docs/allreduce_rmsnorm.md, bf16, CUDA graphs of
+# back-to-back calls). W = 2: lamport up to 512 KiB, lamport_two_shot up to 4 MiB (where it fits
+# the Lamport slots), one_shot up to 8 MiB, two_shot above. W = 4: lamport_two_shot up to 8 MiB
+# (it beat lamport even at one token), one_shot up to 1 MiB for what Lamport cannot take (fp32,
+# messages beyond the slots), two_shot above. NCCL + add + norm was slower than the best of these
+# at every measured size, so NCCL is never picked by default. Other world sizes (no Lamport
+# default) use the cost model: one_shot moves (W−1)·N bytes into each GPU, two_shot 2(W−1)/W·N
+# plus one more barrier; with ≈ 3 µs per extra barrier and ≈ 450 GB/s NVLink ingress, two_shot
+# wins above N ≈ 3e-6 · 450e9 / ((W−1)(1 − 2/W)) (≈ 0.26 MB for W = 8). Tune with
+# set_auto_thresholds() or the MOEKIT_AR_*_MAX_KB variables (the benchmark prints suggestions).
+_MEASURED_ONE_SHOT_MAX = {2: 8 << 20, 4: 1 << 20}
+_MEASURED_LAMPORT_MAX: dict[int, float] = {2: 512 << 10, 4: 0}
+_MEASURED_LAMPORT_TWO_SHOT_MAX: dict[int, float] = {2: 4 << 20, 4: 8 << 20}
 _BARRIER_S = 3e-6
 _NVLINK_BPS = 450e9
 _overrides: dict[str, int | None] = {

@@ -218,17 +218,29 @@ def test_bad_input_and_group_of_one():
 
 
 def test_auto_algo_defaults(monkeypatch):
-    from moekit.ops.allreduce import auto_algo
+    from moekit.ops.allreduce import auto_algo, set_auto_thresholds
 
-    monkeypatch.delenv("MOEKIT_AR_ONE_SHOT_MAX_KB", raising=False)
-    monkeypatch.delenv("MOEKIT_AR_TWO_SHOT_MAX_KB", raising=False)
-    # measured on H200: W=2 one_shot at every size, W=4 one_shot up to 1 MiB then two_shot
-    assert auto_algo(1 << 30, 2) == "one_shot"
+    for name in ("ONE_SHOT", "TWO_SHOT", "LAMPORT", "LAMPORT_TWO_SHOT"):
+        monkeypatch.delenv(f"MOEKIT_AR_{name}_MAX_KB", raising=False)
+    # measured on H200 (bf16): W=2 lamport ≤ 512 KiB, lamport_two_shot ≤ 4 MiB, one_shot ≤ 8 MiB,
+    # two_shot above; W=4 lamport_two_shot ≤ 8 MiB, one_shot ≤ 1 MiB (fp32), two_shot above
+    assert auto_algo(8192, 2, True) == "lamport" and auto_algo(1 << 20, 2, True) == (
+        "lamport_two_shot"
+    )
+    assert auto_algo(8192, 2) == "one_shot" and auto_algo(6 << 20, 2, True) == "one_shot"
+    assert auto_algo(1 << 30, 2, True) == "two_shot"
+    assert auto_algo(8192, 4, True) == "lamport_two_shot"
+    assert auto_algo(8 << 20, 4, True) == "lamport_two_shot"
     assert auto_algo(917_504, 4) == "one_shot" and auto_algo(2_097_152, 4) == "two_shot"
-    assert auto_algo(1 << 30, 4) == "two_shot"  # NCCL only when a two_shot max is set
-    assert auto_algo(8192, 8) == "one_shot" and auto_algo(1 << 20, 8) == "two_shot"
+    assert auto_algo(1 << 30, 4, True) == "two_shot"  # NCCL only when a two_shot max is set
+    assert auto_algo(8192, 8, True) == "one_shot" and auto_algo(1 << 20, 8) == "two_shot"
     monkeypatch.setenv("MOEKIT_AR_TWO_SHOT_MAX_KB", "1024")
     assert auto_algo(2 << 20, 4) == "nccl"
+    set_auto_thresholds(lamport_max_bytes=1 << 20)
+    try:
+        assert auto_algo(1 << 20, 4, True) == "lamport" and auto_algo(1 << 20, 4) == "one_shot"
+    finally:
+        set_auto_thresholds()
 
 
 # ----------------------------------------------------------------------------------------------
