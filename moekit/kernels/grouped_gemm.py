@@ -478,7 +478,7 @@ def _pick_config(
             if cand is candidates[0]:
                 raise
             continue  # e.g. an fp32 C tile that does not fit in shared memory: not a candidate
-        except Exception as exc:  # noqa: BLE001 (compiler errors have several types)
+        except Exception as exc:  # compiler errors come in several types
             # A candidate this compiler cannot build (a failing pass) is pruned, visibly; the
             # heuristic default is never pruned.
             if cand is candidates[0]:
