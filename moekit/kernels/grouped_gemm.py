@@ -47,7 +47,6 @@ class GemmConfig:
     c_tma: bool = True  # TMA store (or TMA reduce-add) of C vs masked st.global
     warp_specialize: bool = False  # producer/consumer warps for the tile loop
     ctas_per_sm: int = 1  # 2: two co-resident programs overlap each other's prologue/epilogue
-    half_tail: bool = False  # ragged M: an expert's last ≤ block_m/2 rows get a half-height tile
 
 
 # --------------------------------------------------------------------------------------------
@@ -118,27 +117,6 @@ def _ragged_m_schedule(offsets_ptr, E, T, BLOCK_M: tl.constexpr, BLOCK_E: tl.con
 
 
 @triton.jit
-def _ragged_m_schedule_half_tail(
-    offsets_ptr, E, T, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr
-):  # fmt: skip
-    """Like :func:`_ragged_m_schedule`, but an expert whose last rows fit in BLOCK_M // 2 gets
-    them as one half-height tile (second loop) instead of a mostly empty full tile: with E
-    experts a full-height-only schedule computes ≈ E·BLOCK_M/2 rows that are thrown away, this
-    one ≈ E·BLOCK_M/4. Returns the full-tile schedule and (half_tiles, cum_half_tiles,
-    total_half)."""
-    offs_e, _, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
-    counts = ends - starts
-    rem = counts % BLOCK_M
-    m_tiles = counts // BLOCK_M + (rem > BLOCK_M // 2).to(tl.int32)
-    half_tiles = ((rem > 0) & (rem <= BLOCK_M // 2)).to(tl.int32)
-    cum_m_tiles = tl.cumsum(m_tiles, axis=0)
-    total_m = tl.sum(m_tiles, axis=0)
-    cum_half = tl.cumsum(half_tiles, axis=0)
-    total_half = tl.sum(half_tiles, axis=0)
-    return offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, cum_half, total_half
-
-
-@triton.jit
 def _ragged_m_tile(
     tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n,
     BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
@@ -185,19 +163,13 @@ def _grouped_mm_ragged_m_kernel(
     FLATTEN: tl.constexpr,
     C_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
-    HALF_TAIL: tl.constexpr,  # see _ragged_m_schedule_half_tail
 ):
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
 
-    if HALF_TAIL:
-        offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, cum_half, total_half = (
-            _ragged_m_schedule_half_tail(offsets_ptr, E, T, BLOCK_M, BLOCK_E)
-        )
-    else:
-        offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
-            offsets_ptr, E, T, BLOCK_M, BLOCK_E
-        )
+    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
+        offsets_ptr, E, T, BLOCK_M, BLOCK_E
+    )
     num_n = tl.cdiv(N, BLOCK_N)
     num_tiles = total_m * num_n
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -255,46 +227,6 @@ def _grouped_mm_ragged_m_kernel(
             cols = off_n + tl.arange(0, BLOCK_N)
             c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
             tl.store(c_ptrs, c, mask=(rows[:, None] < row_end) & (cols[None, :] < N))
-
-    if HALF_TAIL:
-        # Half-height tiles: the last ≤ BLOCK_M/2 rows of some experts. The deal continues the
-        # round robin of the full tiles, so the programs that got fewer full tiles start here.
-        HALF_M: tl.constexpr = BLOCK_M // 2
-        a_half = tl.make_tensor_descriptor(
-            a_ptr, shape=[T, K], strides=[stride_a_t, 1], block_shape=[HALF_M, BLOCK_K]
-        )
-        c_half = _ragged_rows_desc(c_ptr, T, N, stride_c_t, HALF_M, BLOCK_N)
-        first = (pid + NUM_PROGRAMS - num_tiles % NUM_PROGRAMS) % NUM_PROGRAMS
-        for tile in tl.range(first, total_half * num_n, NUM_PROGRAMS):
-            g = tile // num_n
-            off_n = (tile % num_n) * BLOCK_N
-            e = tl.sum((cum_half <= g).to(tl.int32), axis=0)
-            row_start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
-            row_end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
-            off_m = row_start + (row_end - row_start) // BLOCK_M * BLOCK_M
-            acc = tl.zeros((HALF_M, BLOCK_N), dtype=tl.float32)
-            for ki in range(k_tiles):
-                off_k = ki * BLOCK_K
-                a = a_half.load([off_m, off_k])
-                if B_K_MAJOR:
-                    b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
-                else:
-                    b = b_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
-                acc = tl.dot(a, b, acc)
-            if HAS_BIAS:
-                cols = off_n + tl.arange(0, BLOCK_N)
-                bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
-                acc += bias.to(tl.float32)[None, :]
-            c = acc.to(dtype)
-            if C_TMA:
-                c_half.store(
-                    [row_end, off_m - row_end + T + HALF_M, off_n], c.reshape(1, HALF_M, BLOCK_N)
-                )
-            else:
-                rows = off_m + tl.arange(0, HALF_M)
-                cols = off_n + tl.arange(0, BLOCK_N)
-                c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
-                tl.store(c_ptrs, c, mask=(rows[:, None] < row_end) & (cols[None, :] < N))
 
     # Rows past offsets[-1] belong to no expert: zero them here rather than in a memset launch.
     tail_start = tl.max(ends, axis=0)
@@ -419,9 +351,6 @@ _RAGGED_M_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
     GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
     GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
-    # many experts with few rows each: halve the wasted rows of every expert's last tile
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, half_tail=True),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True, half_tail=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
 )
 _RAGGED_K_CANDIDATES_16 = (
@@ -433,7 +362,6 @@ _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 128, num_warps=8, num_stages=3, c_tma=False),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),  # bf16 out only: fp32 C tile won't fit
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, warp_specialize=True),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),  # bf16 out only
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -546,7 +474,6 @@ def grouped_mm_ragged_m(
             FLATTEN=cfg.flatten,
             C_TMA=cfg.c_tma,
             WARP_SPEC=cfg.warp_specialize,
-            HALF_TAIL=cfg.half_tail,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
