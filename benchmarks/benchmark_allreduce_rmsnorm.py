@@ -140,8 +140,9 @@ def make_methods(
         )  # fmt: skip
         methods["two_shot_staged"] = lambda: staged(x, residual, weight, EPS)[:2]
     variants = {}  # tuning A/B: (name, algo, plan overrides)
-    if T >= 4096 and tuning:
-        variants["two_shot_w8"] = ("two_shot", {"num_warps": 8})
+    if T >= 1024 and tuning:
+        variants["two_shot_rows4"] = ("two_shot", {"gather_tile": False, "num_warps": 4})
+        variants["two_shot_rows8"] = ("two_shot", {"gather_tile": False, "num_warps": 8})
     if 64 <= T <= 1024 and tuning:
         variants["lamport_two_shot_s2"] = ("lamport_two_shot", {"lamport_split": 2})
     for name, (algo, extra) in variants.items():
@@ -305,7 +306,7 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
         f"T={T} H={H} {k}={v['us']:.1f}"
         for (T, H), m in sorted(by.items())
         for (k, mode), v in sorted(m.items())
-        if mode == "graph" and k.split("_")[-1][:1] in ("w", "s") and k[-1].isdigit()
+        if mode == "graph" and k[-1].isdigit() and k not in OURS + BASELINES
     ]
     if tuning:
         lines.append("tuning variants µs: " + "; ".join(tuning))

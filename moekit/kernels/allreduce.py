@@ -87,6 +87,7 @@ SIGNAL_BYTES = NUM_CHANNELS * MAX_BLOCKS * MAX_WORLD * 4
 DATA_OFFSET = SIGNAL_BYTES  # 32 KiB, 128-byte aligned
 CTL_WORDS = 2  # ctl[0] launch epoch, ctl[1] arrival counter (int32, local to each rank)
 MAX_FUSED_H = 16384  # widest row the cross-rank kernels keep in registers
+GATHER_TILE_MAX = 32768  # two_shot gathers a [W, H] tile when it has at most this many elements
 EPOCH_MASK = 0x3FFFFFFF  # epochs wrap inside int32; equality (not ≥) keeps the wrap safe
 HALF_ALIGN = 256  # bytes; keeps the second half 16-element aligned for every dtype
 
@@ -332,6 +333,7 @@ def _allreduce_fused_kernel(
     PUSH: tl.constexpr,  # two_shot: scatter x into the owners' halves instead of staging it
     LAMPORT: tl.constexpr,
     SPLIT: tl.constexpr,  # lamport: column pieces per row in the push phases
+    GATHER_TILE: tl.constexpr,  # two_shot: gather all W rows of an index as one [W, H] tile
     HAS_RESIDUAL: tl.constexpr,
     HAS_NORM: tl.constexpr,
     STORE_RSTD: tl.constexpr,
@@ -497,29 +499,39 @@ def _allreduce_fused_kernel(
             tl.store(own_in + r64 * H64 + cols, acc.to(dtype), mask=m)
         _sync_peers(peer_bases_ptr, rank, channel + 1, epoch, WORLD, WORLD_P2)
         # all-gather + local norm of every row
-        for i in range(pid, rows_per_rank, num_progs):
-            for q in tl.static_range(WORLD):
-                r64 = tl.cast(q * rows_per_rank + i, tl.int64)
-                rmask = r64 < T
-                m = cmask & rmask
-                src = _data_ptr(peer_bases_ptr, q, half_off, dtype)
-                v = tl.load(src + r64 * H64 + cols, mask=m, other=0.0)
-                tl.store(ro_ptr + r64 * stride_ro_t + cols, v, mask=m)
+        if GATHER_TILE:
+            # one [W, H] tile per step: the W rows (W − 1 of them remote) are all in flight
+            # before the norm's row reductions, which a row-by-row loop would serialise (no load
+            # can move across the CTA barrier inside a reduction)
+            qs = tl.arange(0, WORLD_P2)
+            qmask = qs < WORLD
+            bases = tl.load(peer_bases_ptr + qs, mask=qmask, other=0)
+            srcs = tl.multiple_of((bases + _DATA_OFFSET + half_off).to(tl.pointer_type(dtype)), 16)
+            for i in range(pid, rows_per_rank, num_progs):
+                rows = qs.to(tl.int64) * C64 + i
+                rmask2 = qmask & (rows < T)
+                m2 = rmask2[:, None] & cmask[None, :]
+                v = tl.load(srcs[:, None] + rows[:, None] * H64 + cols[None, :], mask=m2, other=0.0)
+                tl.store(ro_ptr + rows[:, None] * stride_ro_t + cols[None, :], v, mask=m2)
                 if HAS_NORM:
-                    _norm_store(
-                        v,
-                        w,
-                        r64,
-                        cols,
-                        cmask,
-                        rmask,
-                        y_ptr,
-                        rstd_ptr,
-                        stride_y_t,
-                        H,
-                        eps,
-                        STORE_RSTD,
-                    )
+                    vf = v.to(tl.float32)
+                    rstd = tl.math.rsqrt(tl.sum(vf * vf, axis=1) / H + eps)
+                    y = (vf * rstd[:, None] * w[None, :]).to(dtype)
+                    tl.store(y_ptr + rows[:, None] * stride_y_t + cols[None, :], y, mask=m2)
+                    if STORE_RSTD:
+                        tl.store(rstd_ptr + rows, rstd, mask=rmask2)
+        else:
+            for i in range(pid, rows_per_rank, num_progs):
+                for q in tl.static_range(WORLD):
+                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                    rmask = r64 < T
+                    m = cmask & rmask
+                    src = _data_ptr(peer_bases_ptr, q, half_off, dtype)
+                    v = tl.load(src + r64 * H64 + cols, mask=m, other=0.0)
+                    tl.store(ro_ptr + r64 * stride_ro_t + cols, v, mask=m)
+                    if HAS_NORM:
+                        _norm_store(v, w, r64, cols, cmask, rmask, y_ptr, rstd_ptr, stride_y_t,
+                                    H, eps, STORE_RSTD)  # fmt: skip
     _advance_epoch(ctl_ptr, epoch)
 
 
@@ -593,6 +605,7 @@ class FusedAllreducePlan:
         two_shot_staged: bool = False,  # the older two_shot (stage, then pull) for comparison
         lamport_split: int | None = None,  # override the push phases' column pieces (tuning)
         num_warps: int | None = None,  # override the warps per program (tuning)
+        gather_tile: bool | None = None,  # override the two_shot gather layout (tuning)
     ) -> None:
         if algo not in ALGOS:
             raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
@@ -611,10 +624,19 @@ class FusedAllreducePlan:
         self.two_shot = algo in ("two_shot", "lamport_two_shot")
         self.peer_bases, self.ctl = peer_bases, ctl
         BLOCK_H = block_h(H)
+        WORLD_P2 = triton.next_power_of_2(world)
+        if gather_tile is None:
+            gather_tile = WORLD_P2 * BLOCK_H <= GATHER_TILE_MAX
+        gather_tile = gather_tile and algo == "two_shot"
         if num_warps is None:
-            # two_shot streams rows through few programs: 4 warps with long rows per thread
-            # measured best on 4 H200s at T = 16384 (H = 7168: 1137 µs vs 1146 with 8 or 16)
-            num_warps = 4 if algo == "two_shot" and BLOCK_H <= 8192 else num_warps_for(BLOCK_H)
+            if gather_tile:  # ≤ 32 fp32 values of the [W, H] tile per thread
+                num_warps = max(4, min(16, WORLD_P2 * BLOCK_H // (32 * 32)))
+            elif algo == "two_shot" and BLOCK_H <= 8192:
+                # row by row, 4 warps with long rows per thread measured best on 4 H200s at
+                # T = 16384 (H = 7168: 1137 µs vs 1146 with 8 or 16)
+                num_warps = 4
+            else:
+                num_warps = num_warps_for(BLOCK_H)
         self._num_warps = num_warps
         work = triton.cdiv(T, world) if algo == "lamport_two_shot" else T
         max_p = min(max_programs, MAX_BLOCKS)
@@ -626,9 +648,8 @@ class FusedAllreducePlan:
         self._static = (T, H, triton.cdiv(T, world), rank, half_bytes, lamport_off,
                         lamport_slot_bytes)  # fmt: skip
         push = algo == "two_shot" and not two_shot_staged
-        self._meta = (world, triton.next_power_of_2(world), BLOCK_H, self.two_shot, push,
-                      algo in LAMPORT_ALGOS, split, has_residual, has_norm,
-                      self.store_rstd)  # fmt: skip
+        self._meta = (world, WORLD_P2, BLOCK_H, self.two_shot, push, algo in LAMPORT_ALGOS,
+                      split, gather_tile, has_residual, has_norm, self.store_rstd)  # fmt: skip
         self._compiled: dict[int, object] = {}  # input-alignment bits → CompiledKernel
         self._direct = device.type == "cuda" and not interpret_mode()
 
@@ -690,9 +711,10 @@ class FusedAllreducePlan:
             PUSH=self._meta[4],
             LAMPORT=self._meta[5],
             SPLIT=self._meta[6],
-            HAS_RESIDUAL=self._meta[7],
-            HAS_NORM=self._meta[8],
-            STORE_RSTD=self._meta[9],
+            GATHER_TILE=self._meta[7],
+            HAS_RESIDUAL=self._meta[8],
+            HAS_NORM=self._meta[9],
+            STORE_RSTD=self._meta[10],
             num_warps=self._num_warps,
         )
 
@@ -717,6 +739,7 @@ def allreduce_fused(
     lamport_off: int = 0,  # bytes from a buffer's start to its Lamport region
     lamport_slot_bytes: int = 0,
     two_shot_staged: bool = False,
+    gather_tile: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One-off launch (builds a :class:`FusedAllreducePlan` and calls it).
 
@@ -730,6 +753,6 @@ def allreduce_fused(
         has_norm=weight is not None, store_rstd=store_rstd, peer_bases=peer_bases, ctl=epochs,
         rank=rank, algo=algo, max_programs=max_programs, half_bytes=half_bytes,
         lamport_off=lamport_off, lamport_slot_bytes=lamport_slot_bytes,
-        two_shot_staged=two_shot_staged,
+        two_shot_staged=two_shot_staged, gather_tile=gather_tile,
     )  # fmt: skip
     return plan(x, residual, weight, eps)

@@ -274,6 +274,7 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
         (1, 16, "lamport", torch.float16, 2),
         (7, 32, "two_shot", torch.bfloat16, 2),
         (9, 32, "lamport", torch.bfloat16, 4),
+        (5, 32, "two_shot_rows", torch.float32, 2),  # the row-by-row gather (wide rows, W = 8)
         (7, 32, "lamport_two_shot", torch.bfloat16, 2),
         (1, 16, "lamport_two_shot", torch.float16, 3),
         (8, 64, "lamport_two_shot", torch.bfloat16, 8),
@@ -289,8 +290,9 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             w = weight if mode == "norm" else None
             y, ro, rstd = kar.allreduce_fused(
                 shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=ctl, rank=rank,
-                algo=algo, max_programs=progs, half_bytes=half, store_rstd=True,
-                lamport_off=lam_off, lamport_slot_bytes=_SIM_SLOT,
+                algo=algo.replace("_rows", ""), max_programs=progs, half_bytes=half,
+                store_rstd=True, lamport_off=lam_off, lamport_slot_bytes=_SIM_SLOT,
+                gather_tile=False if algo.endswith("_rows") else None,
             )  # fmt: skip
             ref_y, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, res, w, 1e-6)
             # fp32: exact (same order of fp32 additions); bf16/fp16: the interpreter truncates
@@ -332,8 +334,8 @@ def test_symmetric_kernels_in_interpreter(interpret):
         outs = [torch.load(os.path.join(d, f"rank{r}.pt")) for r in range(WORLD)]
         for key in outs[0]:
             assert torch.equal(outs[0][key], outs[1][key]), f"ranks differ on {key}"
-        # one launch epoch per launch (15 cases × 3 modes); the arrival counter is back at 0
-        assert outs[0]["epochs"].tolist() == [45, 0]
+        # one launch epoch per launch (16 cases × 3 modes); the arrival counter is back at 0
+        assert outs[0]["epochs"].tolist() == [48, 0]
         assert all(bool(o["lamport_clean"]) for o in outs)
     finally:
         shutil.rmtree(d, ignore_errors=True)
