@@ -626,7 +626,9 @@ class FusedAllreducePlan:
         BLOCK_H = block_h(H)
         WORLD_P2 = triton.next_power_of_2(world)
         if gather_tile is None:
-            gather_tile = WORLD_P2 * BLOCK_H <= GATHER_TILE_MAX
+            # measured on 4 H200s (faster at every size); 2 ranks keep the row-by-row gather
+            # their results were measured with (docs/allreduce_rmsnorm.md)
+            gather_tile = world >= 4 and WORLD_P2 * BLOCK_H <= GATHER_TILE_MAX
         gather_tile = gather_tile and algo == "two_shot"
         if num_warps is None:
             if gather_tile:  # ≤ 32 fp32 values of the [W, H] tile per thread

@@ -274,7 +274,7 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
         (1, 16, "lamport", torch.float16, 2),
         (7, 32, "two_shot", torch.bfloat16, 2),
         (9, 32, "lamport", torch.bfloat16, 4),
-        (5, 32, "two_shot_rows", torch.float32, 2),  # the row-by-row gather (wide rows, W = 8)
+        (5, 32, "two_shot_tile", torch.float32, 2),  # the [W, H] tile gather (W ≥ 4 default)
         (7, 32, "lamport_two_shot", torch.bfloat16, 2),
         (1, 16, "lamport_two_shot", torch.float16, 3),
         (8, 64, "lamport_two_shot", torch.bfloat16, 8),
@@ -290,9 +290,9 @@ def _worker_sim(rank: int, store: str, paths: list[str], nbytes: int, out_dir: s
             w = weight if mode == "norm" else None
             y, ro, rstd = kar.allreduce_fused(
                 shards[rank], res, w, 1e-6, peer_bases=peer_bases, epochs=ctl, rank=rank,
-                algo=algo.replace("_rows", ""), max_programs=progs, half_bytes=half,
+                algo=algo.replace("_tile", ""), max_programs=progs, half_bytes=half,
                 store_rstd=True, lamport_off=lam_off, lamport_slot_bytes=_SIM_SLOT,
-                gather_tile=False if algo.endswith("_rows") else None,
+                gather_tile=True if algo.endswith("_tile") else None,
             )  # fmt: skip
             ref_y, ref_ro = allreduce_add_rmsnorm_shards_ref(shards, res, w, 1e-6)
             # fp32: exact (same order of fp32 additions); bf16/fp16: the interpreter truncates
