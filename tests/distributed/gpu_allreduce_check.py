@@ -194,7 +194,7 @@ def check_cuda_graph(device: torch.device) -> None:
             assert torch.equal(ro, ref_ro), f"graph replay {rep} {algo}: residual_out"
             torch.testing.assert_close(n, ref_n, atol=6e-2, rtol=1.6e-2)
         assert torch.equal(outs["plain"][0], ref_sum), f"graph replay {rep}: allreduce"
-    _log("ok  CUDA-graph capture + 50 replays with new data (3 symmetric algos, allreduce)")
+    _log("ok  CUDA-graph capture + 50 replays with new data (4 symmetric algos, allreduce)")
 
 
 def check_lamport_specifics(device: torch.device) -> None:
