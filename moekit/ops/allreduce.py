@@ -16,7 +16,7 @@ Algorithms (``algo=``):
     Lamport slots instead of barriers (bf16/fp16, up to W/2 Lamport slots; else two_shot);
   - ``"nccl"``: ``torch.distributed.all_reduce`` then the local fused add + RMSNorm kernel;
   - ``"reference"``: all_gather + fp32 sum in rank order (the oracle; any backend);
-  - ``"auto"``: one_shot / two_shot / nccl by message size and world size (see :func:`auto_algo`);
+  - ``"auto"``: by message size, world size and dtype among the above (see :func:`auto_algo`);
     CPU tensors take the reference.
 When symmetric memory is unavailable or the call does not fit the pool, one_shot/two_shot fall
 back to ``"nccl"`` with a one-time warning.
@@ -189,7 +189,7 @@ def _symm_unusable(
     if (H * element_size) % 16:
         return "align", f"rows of H = {H} × {element_size} B are not a multiple of 16 bytes"
     need = _kar.workspace_bytes(T, H, element_size, algo, pool.world_size)
-    if algo != "lamport" and not pool.fits(need):
+    if not pool.fits(need):  # 0 for the Lamport algorithms (they use their own slots)
         return "small", (
             f"needs {need} B of symmetric memory (two halves of T·H·e), the pool has "
             f"{pool.capacity} B (raise MOEKIT_SYMM_POOL_MB or pass a larger SymmetricPool)"
@@ -468,7 +468,8 @@ def allreduce_add_rmsnorm(
     """``residual_out = all_reduce(x) + residual``; ``normed = RMSNorm(residual_out) · weight``.
 
     Returns ``(normed [..., H], residual_out [..., H])`` in x's dtype, bit-identical on every rank.
-    ``algo``: ``"auto" | "one_shot" | "two_shot" | "nccl" | "reference"`` (module docstring).
+    ``algo``: ``"auto" | "one_shot" | "two_shot" | "lamport" | "lamport_two_shot" | "nccl" |
+    "reference"`` (module docstring).
     Backward: identity through the all-reduce, local add + RMSNorm backward.
     """
     x, residual, weight = validate_norm_inputs(x, residual, weight, eps, residual_required=True)
