@@ -13,7 +13,8 @@ Buffer layout (bytes, identical on every rank; ``D = DATA_OFFSET``, ``S`` = half
     [L, L + 2·W·P)       Lamport region: slots[2 parities][W ranks][P bytes], sentinel-filled
 
 ``S = half_bytes(capacity)``; a call needs ``T·H·e ≤ S`` (:func:`workspace_bytes` = 2·T·H·e).
-``L`` = ``D + 2·S``; ``P`` = the pool's Lamport slot size (a Lamport call needs ``T·H·e ≤ P``).
+``L`` = ``D + 2·S``; ``P`` = the pool's Lamport slot size (lamport needs ``T·H·e ≤ P``,
+lamport_two_shot ``2·W·⌈T/W⌉·H·e ≤ W·P``: :func:`lamport_fits`).
 
 Launch epoch: each rank keeps ``ctl[2]`` int32 on the device (``[0]`` the epoch of the last
 launch, ``[1]`` an arrival counter). Every program of a launch reads ``E = ctl[0] + 1`` at its
