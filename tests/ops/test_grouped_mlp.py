@@ -1,8 +1,10 @@
-"""grouped_mlp / GroupedMLP against the reference composition, forward and every gradient.
+"""grouped_mlp against the reference composition, forward and every gradient.
 
 On CPU with TRITON_INTERPRET=1 (``make test``) the fused kernels run in Triton's interpreter
 (fp32/fp16: its bf16 dot is wrong); without it the CPU path is the unfused reference
-composition. ``-m gpu`` runs bf16 at real shapes, no-sync, CUDA-graph replay and the launch count.
+composition. ``-m gpu`` runs bf16 at real shapes and the replayed kernel launches. The
+GroupedMLP module's tests (no-sync, CUDA-graph replay, launch count) are in
+tests/nn/test_grouped_mlp.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import pytest
 import torch
 
 from moekit import Activation
-from moekit.nn import GroupedMLP
 from moekit.ops import grouped_mlp
 from moekit.reference.grouped_mlp import grouped_mlp_ref
 
@@ -184,25 +185,6 @@ def test_main_grad_accumulates_in_place():
     assert torch.all(w1.main_grad[1] == 0.5)  # the empty expert's slice is untouched
 
 
-def test_module_matches_op_and_keeps_main_grad():
-    torch.manual_seed(1)
-    layer = GroupedMLP(4, 32, 16, activation="geglu", glu_interleave=16, bias=True)
-    x = torch.randn(30, 32, requires_grad=True)
-    off = _offsets([10, 0, 15, 5])
-    p = torch.rand(30)
-    y = layer(x, off, p)
-    y_ref = grouped_mlp_ref(
-        x, off, layer.fc1_weight, layer.fc2_weight, p, activation="geglu", glu_interleave=16,
-        b1=layer.fc1_bias, b2=layer.fc2_bias,
-    )  # fmt: skip
-    assert _rel(y, y_ref) < 1e-5
-    layer.fc1_weight.main_grad = torch.zeros_like(layer.fc1_weight, dtype=torch.float32)
-    layer(x, off, p).sum().backward()
-    assert layer.fc1_weight.grad is None and layer.fc1_weight.main_grad.abs().sum() > 0
-    assert layer.fc2_weight.grad is not None
-    assert "geglu" in repr(layer)
-
-
 def test_fallback_for_unaligned_f_and_interleave_warns_once(interpret, monkeypatch):
     if not interpret:
         pytest.skip("the fallback is a property of the fused (Triton) path")
@@ -276,75 +258,6 @@ def test_gpu_bf16_real_shapes(act, inter, bias, rec):
     counts = _skewed(8192, 16)
     _check(counts, 1024, 768, act, inter=inter, bias=bias, rec=rec, dtype=torch.bfloat16,
            device="cuda", tol=2e-2)  # fmt: skip
-
-
-def _gpu_layer(R=4096, E=8, H=512, F=256):
-    layer = GroupedMLP(E, H, F, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(R, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    p = torch.rand(R, device="cuda", requires_grad=True)
-    off = _offsets(_skewed(R, E), "cuda")
-    dy = torch.randn(R, H, device="cuda", dtype=torch.bfloat16)
-    params = [x, p, *layer.parameters()]
-    for _ in range(2):  # compile (and autotune) outside the checked regions
-        torch.autograd.grad(layer(x, off, p), params, dy)
-    torch.cuda.synchronize()
-    return layer, x, p, off, dy, params
-
-
-@pytest.mark.gpu
-def test_gpu_no_host_sync():
-    layer, x, p, off, dy, params = _gpu_layer()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        y = layer(x, off, p)
-        y.backward(dy)
-        layer.recompute_activation = True
-        torch.autograd.grad(layer(x, off, p), params, dy)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-
-
-@pytest.mark.gpu
-def test_gpu_cuda_graph_capture_and_replay_with_new_routing():
-    layer, x, p, off, dy, params = _gpu_layer()
-    R, E = x.shape[0], layer.num_experts
-    static_off = off.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        torch.autograd.grad(layer(x, static_off, p), params, dy)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_y = layer(x, static_off, p)
-        static_grads = torch.autograd.grad(static_y, params, dy)
-    for counts in (_skewed(R, E, 1), [0] * (E - 1) + [R], [R // 3] + [0] * (E - 1)):
-        new = _offsets(counts, "cuda")
-        static_off.copy_(new)
-        graph.replay()
-        y_ref = grouped_mlp_ref(x, new, layer.fc1_weight, layer.fc2_weight, p)
-        refs = torch.autograd.grad(y_ref, params, dy)
-        assert _rel(static_y, y_ref) < 2e-2
-        for g, r in zip(static_grads, refs):
-            assert _rel(g, r) < 3e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("bias", [False, True])
-def test_gpu_launch_count_at_most_10(bias):
-    from torch.profiler import ProfilerActivity, profile
-
-    layer, x, p, off, dy, params = _gpu_layer()
-    if bias:
-        layer = GroupedMLP(8, 512, 256, bias=True, device="cuda", dtype=torch.bfloat16)
-        params = [x, p, *layer.parameters()]
-        torch.autograd.grad(layer(x, off, p), params, dy)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        torch.autograd.grad(layer(x, off, p), params, dy)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) <= 10, kernels
 
 
 def _plans_module():
