@@ -131,15 +131,9 @@ def make_methods(
             algos.insert(-1, lam)
     for algo in algos:
         methods[algo] = lambda algo=algo: allreduce_add_rmsnorm(x, residual, weight, algo=algo)
-    if T >= 1024:  # A/B: the earlier two_shot (stage x locally, then pull from the peers)
-        staged = FusedAllreducePlan(
-            T=T, H=H, dtype=x.dtype, device=x.device, has_residual=True, has_norm=True,
-            store_rstd=False, peer_bases=pool.peer_bases, ctl=pool.epochs, rank=pool.rank,
-            algo="two_shot", max_programs=min(device_sms(x), MAX_BLOCKS),
-            half_bytes=pool.half_bytes, two_shot_staged=True,
-        )  # fmt: skip
-        methods["two_shot_staged"] = lambda: staged(x, residual, weight, EPS)[:2]
-    variants = {}  # tuning A/B: (name, algo, plan overrides)
+    variants = {}  # A/B: name → (algo, plan overrides)
+    if T >= 1024:  # the earlier two_shot (stage x locally, then pull from the peers)
+        variants["two_shot_staged"] = ("two_shot", {"two_shot_staged": True})
     if T >= 1024 and tuning:
         variants["two_shot_rows4"] = ("two_shot", {"gather_tile": False, "num_warps": 4})
         variants["two_shot_rows8"] = ("two_shot", {"gather_tile": False, "num_warps": 8})
