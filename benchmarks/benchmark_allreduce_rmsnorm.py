@@ -99,19 +99,14 @@ def make_methods(
     methods["nccl+torch"] = nccl_torch
     if torch_symm is not None:
         sbuf = torch_symm.view(T, H)
-        if torch_symm.one_shot_copy is not None:
+        if torch_symm.one_shot_copy is not None or torch_symm.one_shot is not None:
 
             def symm1():
-                s = torch_symm.one_shot_copy(sbuf, x, "sum", torch_symm.group_name)
-                ro = s + residual
-                return F.rms_norm(ro, (H,), weight, EPS), ro
-
-            methods["symm1+torch"] = symm1
-        elif torch_symm.one_shot is not None:
-
-            def symm1():
-                sbuf.copy_(x)
-                s = torch_symm.one_shot(sbuf, "sum", torch_symm.group_name)
+                if torch_symm.one_shot_copy is not None:  # copies x into sbuf itself
+                    s = torch_symm.one_shot_copy(sbuf, x, "sum", torch_symm.group_name)
+                else:
+                    sbuf.copy_(x)
+                    s = torch_symm.one_shot(sbuf, "sum", torch_symm.group_name)
                 ro = s + residual
                 return F.rms_norm(ro, (H,), weight, EPS), ro
 
