@@ -114,7 +114,7 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick):
         # The GPU's clock drifts over a long run (thermal/power): time the contenders in
         # alternating rounds and keep each one's best median, so no side gets the cooler GPU.
         t_ours = t_torch = t_loop = float("inf")
-        for _ in range(2):
+        for _ in range(3):
             t_ours = min(t_ours, bench(ours))
             try:
                 t_torch = min(t_torch, bench(theirs))
@@ -144,8 +144,32 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick):
     return rows
 
 
-def sweep(names, dtype, peak, gen) -> list[dict]:
-    """Time every candidate tile config explicitly (the autotuner's search, made visible)."""
+G = K.GemmConfig
+# Configs under evaluation (not autotune candidates): `--sweep-set trial` times them after the
+# autotuner's candidates. The last trial (BLOCK_K = 128, two stages: half the K steps for the
+# short-K passes) was slower everywhere on the H100: Qwen3 fc2 442 vs 505, OLMoE wgrad bf16
+# 375 vs 479 TFLOP/s (docs/results/grouped_gemm_sweep2_h100.json).
+TRIAL_CONFIGS = {
+    "m": (
+        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
+        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True, flatten=True),
+    ),
+    "k": (
+        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
+        G(128, 256, 128, num_warps=8, num_stages=2),
+    ),
+}
+
+
+def sweep_configs(kind: str, dtype: torch.dtype, which: str) -> tuple:
+    if which == "trial":
+        return K._candidates(kind, dtype) + TRIAL_CONFIGS[kind]
+    return K._candidates(kind, dtype)
+
+
+def sweep(names, dtype, peak, gen, which="candidates", passes=None) -> list[dict]:
+    """Time every candidate tile config explicitly (the autotuner's search, made visible),
+    with torch._grouped_mm on the same operands for reference."""
     rows = []
     for name, T, E, H, F in SHAPES:
         if name not in names:
@@ -162,23 +186,45 @@ def sweep(names, dtype, peak, gen) -> list[dict]:
         og = torch.zeros(E, 2 * F, H, device="cuda", dtype=torch.float32)
         og16 = torch.zeros(E, 2 * F, H, device="cuda", dtype=dtype)
         cases = {
-            "fc1_fwd": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(x, w1.transpose(1, 2), offs, o1, config=c)),
-            "fc2_fwd": ("m", 2 * T * H * F, lambda c: K.grouped_mm_ragged_m(h, w2.transpose(1, 2), offs, o2, config=c)),
-            "fc1_dgrad": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(dy, w1, offs, o2, config=c)),
-            "wgrad_fp32": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og, True, config=c)),
-            "wgrad_bf16": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og16, False, config=c)),
+            "fc1_fwd": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(x, w1.transpose(1, 2), offs, o1, config=c),
+                        lambda: torch._grouped_mm(x, w1.transpose(1, 2), offs=offs)),
+            "fc2_fwd": ("m", 2 * T * H * F, lambda c: K.grouped_mm_ragged_m(h, w2.transpose(1, 2), offs, o2, config=c),
+                        lambda: torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)),
+            "fc1_dgrad": ("m", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_m(dy, w1, offs, o2, config=c),
+                          lambda: torch._grouped_mm(dy, w1, offs=offs)),
+            "wgrad_fp32": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og, True, config=c),
+                           lambda: og.add_(torch._grouped_mm(dy.t(), x, offs=offs))),
+            "wgrad_bf16": ("k", 2 * T * H * 2 * F, lambda c: K.grouped_mm_ragged_k(dy.t(), x, offs, og16, False, config=c),
+                           lambda: torch._grouped_mm(dy.t(), x, offs=offs)),
         }  # fmt: skip
-        for pname, (kind, flops, fn) in cases.items():
-            for cfg in K._candidates(kind, dtype):
+        for pname, (kind, flops, fn, torch_fn) in cases.items():
+            if passes and pname not in passes:
+                continue
+            tf_torch = flops / bench(torch_fn) / 1e9
+            rows.append({"shape": name, "pass": pname, "config": "torch._grouped_mm",
+                         "tflops": tf_torch})  # fmt: skip
+            print(f"sweep {name:16s} {pname:11s} {tf_torch:6.0f} TF/s  torch._grouped_mm")
+            out = {"fc1_fwd": o1, "fc2_fwd": o2, "fc1_dgrad": o2}.get(pname)
+            out = out if out is not None else (og if pname == "wgrad_fp32" else og16)
+            reference = None
+            for cfg in sweep_configs(kind, dtype, which):
+                err = float("nan")
                 try:
+                    out.zero_()  # one call from zero: the same result for every config
+                    fn(cfg)
+                    if reference is None:
+                        reference = out.clone()
+                    err = (out.float() - reference.float()).abs().max().item()
                     ms = bench(lambda: fn(cfg))
                     tf = flops / ms / 1e9
                 except Exception as exc:  # report compile failures per config, keep sweeping
                     tf, ms = float("nan"), float("nan")
                     print(f"  {name} {pname} {cfg}: {type(exc).__name__} {str(exc)[:120]}")
-                rows.append({"shape": name, "pass": pname, "config": str(cfg), "tflops": tf})
+                rows.append({"shape": name, "pass": pname, "config": str(cfg), "tflops": tf,
+                             "max_abs_diff_vs_first": err})  # fmt: skip
                 print(
-                    f"sweep {name:16s} {pname:11s} {tf:6.0f} TF/s ({100 * tf / peak:5.1f}%)  {cfg}"
+                    f"sweep {name:16s} {pname:11s} {tf:6.0f} TF/s ({100 * tf / peak:5.1f}%) "
+                    f"diff {err:.2e}  {cfg}"
                 )
     return rows
 
@@ -191,6 +237,13 @@ def main() -> None:
     parser.add_argument(
         "--sweep", default="", help="comma list of shapes whose tile configs to sweep"
     )
+    parser.add_argument(
+        "--sweep-set",
+        choices=("candidates", "trial"),
+        default="candidates",
+        help="candidates: the autotuner's lists; trial: those and TRIAL_CONFIGS",
+    )
+    parser.add_argument("--sweep-passes", default="", help="comma list of passes to sweep (all)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
@@ -202,7 +255,8 @@ def main() -> None:
     )
 
     if args.sweep:
-        sweep_rows = sweep(set(args.sweep.split(",")), dtype, peak, gen)
+        passes = set(args.sweep_passes.split(",")) if args.sweep_passes else None
+        sweep_rows = sweep(set(args.sweep.split(",")), dtype, peak, gen, args.sweep_set, passes)
         with open(os.path.join(args.out, "grouped_gemm_sweep.json"), "w") as f:
             json.dump(sweep_rows, f, indent=1)
     wanted = set(args.shapes.split(",")) if args.shapes else set()

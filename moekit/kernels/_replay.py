@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from triton import knobs
 
-from moekit.kernels._runtime import cuda_scratch
+from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter
 
 __all__ = ["LaunchReplay", "launch"]
 
@@ -88,6 +88,9 @@ def _span_bytes(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
+COUNTER_ROLE = -1  # a tile_counter argument: each replay takes its own stream's counter
+
+
 def _build_call(rec, locate) -> _Call | None:
     kernel, compiled, grid, args, meta = rec
     if not isinstance(grid, tuple):
@@ -102,7 +105,7 @@ def _build_call(rec, locate) -> _Call | None:
     slots = []
     for pos, a in enumerate(full):
         if isinstance(a, torch.Tensor):
-            found = locate(a.data_ptr())
+            found = (COUNTER_ROLE, 0) if is_tile_counter(a.data_ptr()) else locate(a.data_ptr())
             if found is None:
                 return None
             slots.append((pos, *found))
@@ -136,13 +139,14 @@ class LaunchReplay:
     calls replay.
     """
 
-    __slots__ = ("_calls", "_device", "_scratch", "_seen", "disabled")
+    __slots__ = ("_calls", "_counter", "_device", "_scratch", "_seen", "disabled")
 
     def __init__(self) -> None:
         self._calls: tuple[_Call, ...] | None = None
         self._seen = 0
         self._device = -1
         self._scratch = 0  # bytes of global scratch the largest launch needs
+        self._counter = False  # whether a launch takes a tile counter
         self.disabled = False
 
     @property
@@ -165,6 +169,8 @@ class LaunchReplay:
         # One scratch block serves every launch: they run in order on this stream.
         scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
+        if self._counter:  # the same per-stream counter the normal path would pass
+            ptrs.append(tile_counter(torch.device("cuda", dev)).data_ptr())  # role -1
         for c in calls:
             args = c.template.copy()
             for pos, role, delta in c.slots:
@@ -229,5 +235,6 @@ class LaunchReplay:
             calls.append(c)
         self._device = torch.cuda.current_device()
         self._scratch = max((c.scratch[0] for c in calls if c.scratch), default=0)
+        self._counter = any(role == COUNTER_ROLE for c in calls for _, role, _ in c.slots)
         self._calls = tuple(calls)
         self.disabled = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import triton
@@ -35,6 +36,45 @@ def cuda_scratch(size: int, device: int, stream: int | None) -> torch.Tensor:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
         _scratch_by_stream[key] = buf
     return buf
+
+
+_counter_by_stream: dict[tuple[int, int], torch.Tensor] = {}
+# Every live counter by address, so that launch replay can tell a counter argument apart from
+# an op's tensors (and give each replay the counter of its own stream).
+_counter_ptrs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+TILE_COUNTER_WORDS = 2  # [next tile, programs finished]
+
+
+def tile_counter(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 [2] work counter for a dynamically scheduled launch on the current stream.
+
+    The kernel takes tiles with atomic increments of word 0 and counts finished programs in
+    word 1; the last program to finish puts both back to zero, so the next launch on the same
+    stream (launches on one stream run in order) finds a zeroed counter without a memset.
+    Under CUDA-graph capture each launch gets its own counter from the graph's pool, zeroed by
+    a captured memset (replays then start from zero too). Without CUDA (the interpreter), a
+    fresh zeroed tensor.
+    """
+    if device.type != "cuda":
+        return torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch._C._cuda_isCurrentStreamCapturing():
+        buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
+        _counter_ptrs[buf.data_ptr()] = buf
+        return buf
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
+    buf = _counter_by_stream.get(key)
+    if buf is None:
+        buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
+        _counter_by_stream[key] = buf
+        _counter_ptrs[buf.data_ptr()] = buf
+    return buf
+
+
+def is_tile_counter(ptr: int) -> bool:
+    """Whether ``ptr`` is the address of a live ``tile_counter`` buffer."""
+    return ptr in _counter_ptrs
 
 
 def ensure_scratch_allocator() -> None:

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from moekit.config import autotune_enabled, interpret_mode
 from moekit.kernels._replay import launch as _launch
-from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
+from moekit.kernels._runtime import device_sms, ensure_scratch_allocator, tile_counter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,12 @@ class GemmConfig:
     c_tma: bool = True  # TMA store (or TMA reduce-add) of C vs masked st.global
     warp_specialize: bool = False  # producer/consumer warps for the tile loop
     ctas_per_sm: int = 1  # 2: two co-resident programs overlap each other's prologue/epilogue
+    # TMA epilogue in two [BM, BN/2] halves: half the epilogue's shared memory, which leaves
+    # room for one more pipeline stage (or an fp32 C tile) at BN = 256.
+    epilogue_subtile: bool = False
+    # Ragged K only: programs take tiles from an atomic counter (greedy, longest expert first)
+    # instead of a static round-robin deal, which skewed expert sizes leave unbalanced.
+    dynamic: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +91,13 @@ def _ragged_rows_desc(ptr, T, C, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
         strides=[stride, stride, 1],
         block_shape=[1, BLOCK_R, BLOCK_C],
     )
+
+
+@triton.jit
+def _split_columns(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BM, BN] → its left and right [BM, BN/2] halves (for the sub-tiled epilogue)."""
+    halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+    return tl.split(halves)
 
 
 @triton.jit
@@ -163,9 +176,11 @@ def _grouped_mm_ragged_m_kernel(
     FLATTEN: tl.constexpr,
     C_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr,
 ):
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
 
     offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
         offsets_ptr, E, T, BLOCK_M, BLOCK_E
@@ -194,7 +209,7 @@ def _grouped_mm_ragged_m_kernel(
     c_desc = tl.make_tensor_descriptor(
         c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
     )
-    c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, BLOCK_N)
+    c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, EPI_N)
 
     for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
         e, off_m, row_end, pid_n = _ragged_m_tile(
@@ -216,13 +231,19 @@ def _grouped_mm_ragged_m_kernel(
             cols = off_n + tl.arange(0, BLOCK_N)
             bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
             acc += bias.to(tl.float32)[None, :]
-        c = acc.to(dtype)
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
-            c_ragged.store(
-                [row_end, off_m - row_end + T + BLOCK_M, off_n], c.reshape(1, BLOCK_M, BLOCK_N)
-            )
+            row = off_m - row_end + T + BLOCK_M
+            if EPI_SUBTILE:
+                c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
+                c_ragged.store([row_end, row, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
+                c_ragged.store(
+                    [row_end, row, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N)
+                )
+            else:
+                c_ragged.store([row_end, row, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
+            c = acc.to(dtype)
             rows = off_m + tl.arange(0, BLOCK_M)
             cols = off_n + tl.arange(0, BLOCK_N)
             c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
@@ -237,12 +258,73 @@ def _grouped_mm_ragged_m_kernel(
 
 
 @triton.jit
+def _ragged_k_tile(
+    tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
+    num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, C_TMA: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """One (expert, m-tile, n-tile) of the ragged-K GEMM: tile ranks experts by decreasing count."""
+    dtype = c_ptr.dtype.element_ty
+    rank = tile // per_expert
+    e = tl.sum(tl.where(offs_e == rank, order, 0), axis=0)
+    pid_m, pid_n = _swizzle_tile(tile % per_expert, num_m, num_n, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+    start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(end - start, BLOCK_K)):
+        row = start + ki * BLOCK_K - end + big
+        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
+        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc)
+
+    if C_TMA:
+        # Bulk async store / reduce-add: the SM moves on to the next tile while the copy
+        # engine drains this one, which is what hides main_grad's read-modify-write.
+        if ACCUMULATE:
+            if end > start:  # an expert with no columns leaves the accumulator untouched
+                if EPI_SUBTILE:
+                    c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
+                    c_desc.atomic_add([e, off_m, off_n], c0.reshape(1, BLOCK_M, EPI_N))
+                    c_desc.atomic_add([e, off_m, off_n + EPI_N], c1.reshape(1, BLOCK_M, EPI_N))
+                else:
+                    c_desc.atomic_add([e, off_m, off_n], acc.reshape(1, BLOCK_M, BLOCK_N))
+        elif EPI_SUBTILE:
+            c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
+            c_desc.store([e, off_m, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
+            c_desc.store([e, off_m, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N))
+        else:
+            c_desc.store([e, off_m, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+    else:
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        c_ptrs = (
+            c_ptr
+            + e.to(tl.int64) * stride_c_e
+            + rows[:, None] * stride_c_m
+            + cols[None, :] * stride_c_n
+        )
+        if ACCUMULATE:
+            if end > start:
+                acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(c_ptrs, acc.to(dtype), mask=mask)
+        else:
+            tl.store(c_ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
 def _grouped_mm_ragged_k_kernel(
     # pointers
     a_ptr,  # [T, M] row-major: the operand is its transposed view a[M, T]
     b_ptr,  # [T, N] row-major
     c_ptr,  # [E, M, N]
     offsets_ptr,  # [E] cumulative end offsets along T
+    counter_ptr,  # int32 [2] zeroed work counter (DYNAMIC only)
     # sizes
     M,
     N,
@@ -265,9 +347,11 @@ def _grouped_mm_ragged_k_kernel(
     FLATTEN: tl.constexpr,
     C_TMA: tl.constexpr,  # c has unit stride along N: bulk async store / reduce-add
     WARP_SPEC: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr,
+    DYNAMIC: tl.constexpr,  # tiles taken from an atomic counter instead of a round-robin deal
 ):
-    dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
+    EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_expert = num_m * num_n
@@ -292,49 +376,37 @@ def _grouped_mm_ragged_k_kernel(
             c_ptr,
             shape=[E, M, N],
             strides=[stride_c_e, stride_c_m, 1],
-            block_shape=[1, BLOCK_M, BLOCK_N],
+            block_shape=[1, BLOCK_M, EPI_N],
         )
+    else:
+        c_desc = a_desc  # unused placeholder: the epilogue stores through pointers
 
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
-        rank = tile // per_expert
-        e = tl.sum(tl.where(offs_e == rank, order, 0), axis=0)
-        pid_m, pid_n = _swizzle_tile(tile % per_expert, num_m, num_n, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
-        start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(tl.cdiv(end - start, BLOCK_K)):
-            row = start + ki * BLOCK_K - end + big
-            a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
-            b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
-
-        if C_TMA:
-            # Bulk async store / reduce-add: the SM moves on to the next tile while the copy
-            # engine drains this one, which is what hides main_grad's read-modify-write.
-            if ACCUMULATE:
-                if end > start:  # an expert with no columns leaves the accumulator untouched
-                    c_desc.atomic_add([e, off_m, off_n], acc.reshape(1, BLOCK_M, BLOCK_N))
-            else:
-                c_desc.store([e, off_m, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
-        else:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, BLOCK_N)
-            mask = (rows[:, None] < M) & (cols[None, :] < N)
-            c_ptrs = (
-                c_ptr
-                + e.to(tl.int64) * stride_c_e
-                + rows[:, None] * stride_c_m
-                + cols[None, :] * stride_c_n
-            )
-            if ACCUMULATE:
-                if end > start:
-                    acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(c_ptrs, acc.to(dtype), mask=mask)
-            else:
-                tl.store(c_ptrs, acc.to(dtype), mask=mask)
+    if DYNAMIC:
+        # Greedy list scheduling: a program takes the next tile (in decreasing-cost order) when
+        # it is free, so long tiles never pile up on the programs a round-robin deal gives them
+        # to. The next index is taken at the start of a tile, hiding the atomic's latency.
+        tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+        while tile < num_tiles:
+            next_tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+            _ragged_k_tile(
+                tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
+                num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
+            )  # fmt: skip
+            tile = next_tile
+        # The last program out re-zeroes the counter for the next launch on this stream.
+        if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel") == NUM_PROGRAMS - 1:
+            tl.store(counter_ptr, 0)
+            tl.store(counter_ptr + 1, 0)
+    else:
+        for tile in tl.range(
+            pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
+        ):
+            _ragged_k_tile(
+                tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
+                num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
+            )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,20 +420,25 @@ _INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1,
 _RAGGED_M_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
-    GemmConfig(128, 128, 64, num_warps=4, num_stages=3, c_tma=False, ctas_per_sm=2),
+    # Sub-tiled epilogue: 32 KB instead of 64 KB, so a fourth stage fits (224 KB in all).
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, c_tma=False),
     GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
 )
 _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, dynamic=True),
+    # 128 x 256 with a sub-tiled epilogue: the fp32 C tile halves (64 KB) fit beside 3 stages.
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, dynamic=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
-    GemmConfig(128, 256, 128, num_warps=8, num_stages=2, c_tma=False),
-    GemmConfig(128, 128, 128, num_warps=8, num_stages=3, c_tma=False),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),  # bf16 out only: fp32 C tile won't fit
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, warp_specialize=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, dynamic=True),
+    # bf16 out only (an fp32 C tile won't fit):
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, dynamic=True),
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -398,25 +475,31 @@ def _pick_config(
         candidates = _candidates(kind, dtype)
     if not autotune_enabled() or torch.cuda.is_current_stream_capturing():
         return candidates[0]
-    best, best_ms = candidates[0], float("inf")
-    for cand in candidates:
-        try:
-            ms = triton.testing.do_bench(lambda c=cand: launch(c), warmup=5, rep=25)
-        except triton.runtime.errors.OutOfResources:
-            if cand is candidates[0]:
-                raise
-            continue  # e.g. an fp32 C tile that does not fit in shared memory: not a candidate
-        except Exception as exc:  # compiler errors come in several types
-            # A candidate this compiler cannot build (a failing pass) is pruned, visibly; the
-            # heuristic default is never pruned.
-            if cand is candidates[0]:
-                raise
-            warnings.warn(
-                f"moekit: grouped GEMM config {cand} skipped: {str(exc)[:200]}", stacklevel=3
-            )
-            continue
-        if ms < best_ms:
-            best, best_ms = cand, ms
+    # Two rounds over the candidates, each keeping its best median: a GPU's clock drifts as it
+    # heats up, which would otherwise favour whichever candidates happen to run first.
+    times: dict[GemmConfig, float] = {}
+    for round_ in range(2):
+        order = candidates if round_ == 0 else tuple(reversed(candidates))
+        for cand in order:
+            if round_ and cand not in times:
+                continue  # pruned in the first round
+            try:
+                ms = triton.testing.do_bench(lambda c=cand: launch(c), warmup=5, rep=20)
+            except triton.runtime.errors.OutOfResources:
+                if cand is candidates[0]:
+                    raise
+                continue  # e.g. an fp32 C tile that does not fit in shared memory
+            except Exception as exc:  # compiler errors come in several types
+                # A candidate this compiler cannot build (a failing pass) is pruned, visibly;
+                # the heuristic default is never pruned.
+                if cand is candidates[0]:
+                    raise
+                warnings.warn(
+                    f"moekit: grouped GEMM config {cand} skipped: {str(exc)[:200]}", stacklevel=3
+                )
+                continue
+            times[cand] = min(ms, times.get(cand, float("inf")))
+    best = min(times, key=times.__getitem__)
     _tuned[full_key] = best
     return best
 
@@ -474,6 +557,7 @@ def grouped_mm_ragged_m(
             FLATTEN=cfg.flatten,
             C_TMA=cfg.c_tma,
             WARP_SPEC=cfg.warp_specialize,
+            EPI_SUBTILE=cfg.epilogue_subtile,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -484,6 +568,16 @@ def grouped_mm_ragged_m(
         )
     launch(config)
     return out
+
+
+def _skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
+    """Cumulative ends of a Zipf-like routing of T rows over E experts (expert e gets a share
+    proportional to 1 / (e + 1); the largest takes 1/H_E of the rows: 28% at E = 20)."""
+    # Built on the device: no host-to-device copy (and so no sync) during tuning.
+    share = 1.0 / torch.arange(1, E + 1, dtype=torch.float64, device=like.device)
+    ends = torch.floor(torch.cumsum(share, 0) / share.sum() * T)
+    ends[-1] = T
+    return ends.to(like.dtype)
 
 
 def grouped_mm_ragged_k(
@@ -500,7 +594,12 @@ def grouped_mm_ragged_k(
     E = offsets.shape[0]
     sms = device_sms(a)
 
-    def launch(cfg: GemmConfig, target: torch.Tensor = out, acc: bool = accumulate) -> None:
+    def launch(
+        cfg: GemmConfig,
+        target: torch.Tensor = out,
+        acc: bool = accumulate,
+        offs: torch.Tensor = offsets,
+    ) -> None:
         # TMA epilogue: unit stride along N, aligned strides, and a reduce-add only in fp32
         # (the interpreter has no TMA reduce, so there the accumulate path uses ld/st).
         c_tma = (
@@ -511,7 +610,7 @@ def grouped_mm_ragged_k(
         grid = sms * cfg.ctas_per_sm
         _launch(
             _grouped_mm_ragged_k_kernel, (grid,),
-            a, b, target, offsets,
+            a, b, target, offs, tile_counter(a.device) if cfg.dynamic else offs,
             M, N, T, E,
             a.stride(1), b.stride(0),
             target.stride(0), target.stride(1), target.stride(2),
@@ -525,19 +624,27 @@ def grouped_mm_ragged_k(
             FLATTEN=cfg.flatten,
             C_TMA=c_tma,
             WARP_SPEC=cfg.warp_specialize,
+            EPI_SUBTILE=cfg.epilogue_subtile,
+            DYNAMIC=cfg.dynamic,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
 
     if config is None:
         # Tuning writes into a scratch buffer so an accumulating call adds exactly once.
+        # The key leaves the routing out, so the choice must serve any routing: each candidate
+        # is timed on this call's offsets and on a skewed routing, where tile costs differ
+        # most between experts (and a static deal of tiles is least balanced).
         scratch = {}
 
         def tune_launch(cfg: GemmConfig) -> None:
             if "t" not in scratch:
                 scratch["t"] = torch.empty_like(out)
-            launch(cfg, scratch["t"], False)
+                scratch["skewed"] = _skewed_offsets(T, E, offsets)
+            launch(cfg, scratch["t"], accumulate)
+            launch(cfg, scratch["t"], accumulate, scratch["skewed"])
 
-        config = _pick_config("k", (M, N, E, out.dtype), a.dtype, a.device, tune_launch)
+        key = (M, N, E, out.dtype, accumulate)
+        config = _pick_config("k", key, a.dtype, a.device, tune_launch)
     launch(config)
     return out

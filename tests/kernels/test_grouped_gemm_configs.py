@@ -2,16 +2,19 @@
 
 The autotuner times candidate configs and keeps the fastest, so a config that is wrong in some
 corner (the pointer-store epilogue, warp specialisation, a transposed weight) would only show up
-on the shapes where it wins. GPU: every real candidate, with counts around the tile edges.
+on the shapes where it wins. GPU: every real candidate, with counts around the tile edges;
+CPU (interpreter): the dynamic ragged-K schedule's counter reset.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from moekit.kernels import grouped_gemm as K
-from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
+from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
 
 
 def _offsets(counts, device):
@@ -49,3 +52,78 @@ def test_gpu_every_ragged_m_candidate(k_major):
     counts = [0, 1, 63, 64, 65, 127, 128, 129, 200, 777, 0, 3000]
     for cfg in K._candidates("m", torch.bfloat16):
         _check(cfg, counts, 1024, 768, torch.bfloat16, "cuda", k_major=k_major, bias=k_major)
+
+
+def _check_ragged_k(cfg, counts, M, N, dtype, device, *, accumulate, calls=2):
+    """Two calls back to back (a dynamically scheduled launch must leave its counter zeroed
+    for the next one), both against the reference."""
+    E = len(counts)
+    T = sum(counts) + 5  # columns past offsets[-1] belong to no expert
+    offsets = _offsets(counts, device)
+    for _ in range(calls):
+        dy = torch.randn(T, M, dtype=dtype, device=device)
+        x = torch.randn(T, N, dtype=dtype, device=device)
+        ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+        if accumulate:
+            out = torch.randn(E, M, N, dtype=torch.float32, device=device)
+            ref = ref + out
+        else:
+            out = torch.full((E, M, N), float("nan"), dtype=dtype, device=device)
+        K.grouped_mm_ragged_k(dy.t(), x, offsets, out, accumulate, config=cfg)
+        tol = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+        err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)
+        assert err < tol, f"{cfg}: relative error {err:.2e}"
+        empty = [e for e, c in enumerate(counts) if c == 0]
+        if not accumulate:
+            assert torch.all(out[empty] == 0), f"{cfg}: empty expert not zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gpu_every_ragged_k_candidate(accumulate):
+    counts = [0, 1, 63, 64, 65, 127, 2000, 129, 0, 700]
+    for cfg in K._candidates("k", torch.bfloat16):
+        if accumulate and cfg.block_n == 256 and cfg.c_tma and not cfg.epilogue_subtile:
+            continue  # an fp32 128 x 256 C tile does not fit in shared memory with TMA
+        _check_ragged_k(cfg, counts, 384, 512, torch.bfloat16, "cuda", accumulate=accumulate)
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_ragged_k_in_cuda_graph():
+    """A dynamically scheduled launch captured in a graph: every replay starts from a zeroed
+    counter and gives the right result for new data."""
+    cfg = next(c for c in K._candidates("k", torch.bfloat16) if c.dynamic)
+    counts = [0, 300, 5, 1200, 64]
+    offsets = _offsets(counts, "cuda")
+    T = sum(counts)
+    dy = torch.randn(T, 256, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(T, 384, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(len(counts), 256, 384, dtype=torch.bfloat16, device="cuda")
+    K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)
+    for _ in range(3):
+        dy.copy_(torch.randn_like(dy))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+        err = (out.double() - ref.double()).norm() / ref.double().norm()
+        assert err < 2e-2
+
+
+def test_dynamic_schedule_counter_resets(monkeypatch):
+    """Interpreter/CPU: the last program of a dynamically scheduled launch re-zeroes the shared
+    counter, so consecutive launches reusing one counter (as launches on one CUDA stream do)
+    each see every tile exactly once."""
+    from moekit.config import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
+    counter = torch.zeros(2, dtype=torch.int32)
+    monkeypatch.setattr(K, "tile_counter", lambda device: counter)
+    cfg = dataclasses.replace(K._INTERPRET_CONFIG, dynamic=True)
+    for accumulate in (False, True, False):
+        _check_ragged_k(cfg, [0, 40, 3, 70], 32, 64, torch.float16, "cpu", accumulate=accumulate,
+                        calls=1)  # fmt: skip
+        assert counter.tolist() == [0, 0]
