@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from triton import knobs
 
-from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter
+from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter_ptr
 
 __all__ = ["LaunchReplay", "launch"]
 
@@ -170,7 +170,7 @@ class LaunchReplay:
         scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
         if self._counter:  # the same per-stream counter the normal path would pass
-            ptrs.append(tile_counter(torch.device("cuda", dev)).data_ptr())  # role -1
+            ptrs.append(tile_counter_ptr(dev, stream))  # role -1
         for c in calls:
             args = c.template.copy()
             for pos, role, delta in c.slots:

@@ -59,17 +59,26 @@ def tile_counter(device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cuda_tile_counter(index, torch._C._cuda_getCurrentRawStream(index))
+
+
+def _cuda_tile_counter(index: int, stream: int) -> torch.Tensor:
     if torch._C._cuda_isCurrentStreamCapturing():
         buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
         _counter_ptrs[buf.data_ptr()] = buf
         return buf
-    key = (index, torch._C._cuda_getCurrentRawStream(index))
-    buf = _counter_by_stream.get(key)
+    buf = _counter_by_stream.get((index, stream))
     if buf is None:
         buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
-        _counter_by_stream[key] = buf
+        _counter_by_stream[(index, stream)] = buf
         _counter_ptrs[buf.data_ptr()] = buf
     return buf
+
+
+def tile_counter_ptr(index: int, stream: int) -> int:
+    """``tile_counter(...).data_ptr()`` for a known device index and raw stream (launch
+    replay's fast path)."""
+    return _cuda_tile_counter(index, stream).data_ptr()
 
 
 def is_tile_counter(ptr: int) -> bool:

@@ -1,5 +1,6 @@
 """LaunchReplay's bookkeeping on CPU (the replay itself needs compiled CUDA kernels: its
-end-to-end checks are the ``gpu`` tests of the ops that use it, e.g. test_grouped_mlp)."""
+end-to-end checks are the ``gpu`` tests of the ops that use it, e.g. test_grouped_mlp), and on
+the GPU the replay of a launch that takes a tile counter."""
 
 from __future__ import annotations
 
@@ -54,3 +55,45 @@ def test_launch_records_only_inside_recording(interpret):
     _replay.launch(_axpy_kernel, (1,), x, y, 16, 1.0, BLOCK=16)
     assert _replay._RECORD.get() is None
     torch.testing.assert_close(y, 2 * x)
+
+
+@pytest.mark.gpu
+def test_gpu_replay_of_a_dynamic_ragged_k_launch():
+    """A replayed dynamically scheduled launch gets its stream's tile counter (eagerly) or a
+    fresh zeroed one (under CUDA-graph capture); results stay right on fresh data."""
+    from moekit.kernels import grouped_gemm as G
+    from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref
+
+    cfg = next(c for c in G._candidates("k", torch.bfloat16) if c.dynamic)
+    counts = torch.tensor([0, 300, 5, 1200, 64])
+    offsets = counts.cumsum(0).to(torch.int32).cuda()
+    T, M, N = int(counts.sum()), 256, 384
+    rep = _replay.LaunchReplay()
+
+    def call():
+        dy = torch.randn(T, M, dtype=torch.bfloat16, device="cuda")
+        x = torch.randn(T, N, dtype=torch.bfloat16, device="cuda")
+        out = torch.empty(len(counts), M, N, dtype=torch.bfloat16, device="cuda")
+        roles = (dy, x, offsets, out)
+        if not rep.run(roles):
+            with rep.recording(roles):
+                G.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)
+        return dy, x, out
+
+    def check(dy, x, out):
+        ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+        err = (out.double() - ref.double()).norm() / ref.double().norm()
+        assert err < 2e-2
+
+    for _ in range(4):  # normal, recording, then two replays
+        check(*call())
+    assert rep.ready and not rep.disabled
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dy, x, out = call()  # replayed into the graph with a captured zeroed counter
+    for _ in range(3):
+        dy.copy_(torch.randn_like(dy))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        check(dy, x, out)
+    check(*call())  # eager again after the graph
