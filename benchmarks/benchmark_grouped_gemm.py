@@ -146,9 +146,11 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick):
 
 G = K.GemmConfig
 # Configs under evaluation (not autotune candidates): `--sweep-set trial` times them after the
-# autotuner's candidates. The last trial (BLOCK_K = 128, two stages: half the K steps for the
-# short-K passes) was slower everywhere on the H100: Qwen3 fc2 442 vs 505, OLMoE wgrad bf16
-# 375 vs 479 TFLOP/s (docs/results/grouped_gemm_sweep2_h100.json).
+# autotuner's candidates. The last trials were no better on the H100
+# (docs/results/grouped_gemm_sweep2_h100.json): BLOCK_K = 128 with two stages (half the K steps
+# of the short-K passes) was slower everywhere (Qwen3 fc2 442 vs 505, OLMoE wgrad bf16 375 vs
+# 479 TFLOP/s); two co-resident 128 x 128 programs per SM for bf16 wgrad tied the best static
+# config (Qwen3 451 vs 467, OLMoE 479 vs 478).
 TRIAL_CONFIGS = {
     "m": (
         G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
@@ -157,6 +159,8 @@ TRIAL_CONFIGS = {
     "k": (
         G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
         G(128, 256, 128, num_warps=8, num_stages=2),
+        G(128, 128, 64, num_warps=8, num_stages=3, epilogue_subtile=True, ctas_per_sm=2),
+        G(128, 128, 64, num_warps=4, num_stages=3, epilogue_subtile=True, ctas_per_sm=2),
     ),
 }
 
