@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+import triton
 
 from moekit.kernels import grouped_gemm as K
 from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
@@ -82,10 +83,15 @@ def _check_ragged_k(cfg, counts, M, N, dtype, device, *, accumulate, calls=2):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gpu_every_ragged_k_candidate(accumulate):
     counts = [0, 1, 63, 64, 65, 127, 2000, 129, 0, 700]
+    checked = 0
     for cfg in K._candidates("k", torch.bfloat16):
-        if accumulate and cfg.block_n == 256 and cfg.c_tma and not cfg.epilogue_subtile:
-            continue  # an fp32 128 x 256 C tile does not fit in shared memory with TMA
-        _check_ragged_k(cfg, counts, 384, 512, torch.bfloat16, "cuda", accumulate=accumulate)
+        try:
+            _check_ragged_k(cfg, counts, 384, 512, torch.bfloat16, "cuda", accumulate=accumulate)
+        except triton.runtime.errors.OutOfResources:
+            assert accumulate and cfg.block_n == 256, f"{cfg} does not fit"
+            continue  # a static fp32 128 x 256 TMA tile: the autotuner skips it the same way
+        checked += 1
+    assert checked >= len(K._candidates("k", torch.bfloat16)) - 1
 
 
 @pytest.mark.gpu
