@@ -150,17 +150,16 @@ G = K.GemmConfig
 # (docs/results/grouped_gemm_sweep2_h100.json): BLOCK_K = 128 with two stages (half the K steps
 # of the short-K passes) was slower everywhere (Qwen3 fc2 442 vs 505, OLMoE wgrad bf16 375 vs
 # 479 TFLOP/s); two co-resident 128 x 128 programs per SM for bf16 wgrad tied the best static
-# config (Qwen3 451 vs 467, OLMoE 479 vs 478).
+# config (Qwen3 451 vs 467, OLMoE 479 vs 478); so did warp-specialised 128 x 256 sub-tiled
+# configs (Qwen3 wgrad bf16 476 vs 478, dgrad 546 vs 571, below the best elsewhere).
 TRIAL_CONFIGS = {
     "m": (
-        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
-        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True, flatten=True),
+        G(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, warp_specialize=True),
+        G(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, warp_specialize=True),
     ),
     "k": (
-        G(128, 256, 128, num_warps=8, num_stages=2, epilogue_subtile=True),
-        G(128, 256, 128, num_warps=8, num_stages=2),
-        G(128, 128, 64, num_warps=8, num_stages=3, epilogue_subtile=True, ctas_per_sm=2),
-        G(128, 128, 64, num_warps=4, num_stages=3, epilogue_subtile=True, ctas_per_sm=2),
+        G(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, warp_specialize=True),
+        G(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
     ),
 }
 
