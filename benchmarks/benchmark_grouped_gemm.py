@@ -206,8 +206,8 @@ def sweep(names, dtype, peak, gen, which="candidates", passes=None) -> list[dict
             rows.append({"shape": name, "pass": pname, "config": "torch._grouped_mm",
                          "tflops": tf_torch})  # fmt: skip
             print(f"sweep {name:16s} {pname:11s} {tf_torch:6.0f} TF/s  torch._grouped_mm")
-            out = {"fc1_fwd": o1, "fc2_fwd": o2, "fc1_dgrad": o2}.get(pname)
-            out = out if out is not None else (og if pname == "wgrad_fp32" else og16)
+            out = {"fc1_fwd": o1, "fc2_fwd": o2, "fc1_dgrad": o2, "wgrad_fp32": og,
+                   "wgrad_bf16": og16}[pname]  # fmt: skip
             reference = None
             for cfg in sweep_configs(kind, dtype, which):
                 err = float("nan")

@@ -88,7 +88,9 @@ def _span_bytes(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))) * t.element_size()
 
 
-COUNTER_ROLE = -1  # a tile_counter argument: each replay takes its own stream's counter
+# A tile_counter argument: each replay takes its own stream's counter, which ``run`` appends
+# last to the role pointers, so role -1 indexes it.
+COUNTER_ROLE = -1
 
 
 def _build_call(rec, locate) -> _Call | None:
@@ -170,7 +172,7 @@ class LaunchReplay:
         scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
         if self._counter:  # the same per-stream counter the normal path would pass
-            ptrs.append(tile_counter_ptr(dev, stream))  # role -1
+            ptrs.append(tile_counter_ptr(dev, stream))  # COUNTER_ROLE
         for c in calls:
             args = c.template.copy()
             for pos, role, delta in c.slots:
