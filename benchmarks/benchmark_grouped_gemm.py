@@ -152,14 +152,11 @@ G = K.GemmConfig
 # 479 TFLOP/s); two co-resident 128 x 128 programs per SM for bf16 wgrad tied the best static
 # config (Qwen3 451 vs 467, OLMoE 479 vs 478); so did warp-specialised 128 x 256 sub-tiled
 # configs (Qwen3 wgrad bf16 476 vs 478, dgrad 546 vs 571, below the best elsewhere); 256 x 128
-# ragged-K tiles (below) were slower (Qwen3 bf16 wgrad 454 vs 473, DeepSeek 581 vs 607).
+# ragged-K tiles were slower (Qwen3 bf16 wgrad 454 vs 473, DeepSeek 581 vs 607). The
+# hand-fused (flattened) ragged-K loop was a trial in session 6 and is now a candidate.
 TRIAL_CONFIGS = {
     "m": (),
-    "k": (
-        G(256, 128, 64, num_warps=8, num_stages=3),
-        G(256, 128, 64, num_warps=8, num_stages=3, epilogue_subtile=True),
-        G(256, 128, 64, num_warps=8, num_stages=4, epilogue_subtile=True),
-    ),
+    "k": (),
 }
 
 

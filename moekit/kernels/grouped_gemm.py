@@ -20,7 +20,8 @@ Ragged-K scheduler. Tiles are (expert, m-tile, n-tile), a static count, ranked b
 row count (an in-kernel sort). Each tile loads through descriptors whose T-extent is end_e, so the
 TMA engine zero-fills the K tail and no other expert's rows leak into the sum. Programs either
 take tiles round-robin or (``GemmConfig.dynamic``) from a self-resetting atomic counter, which
-balances skewed routings.
+balances skewed routings. With ``GemmConfig.flatten`` a program runs all K steps of its static
+share as one pipelined loop, so its next tile's loads are in flight during this tile's epilogue.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ class GemmConfig:
     group_m: int = 8
     num_warps: int = 8
     num_stages: int = 3
-    flatten: bool = False  # fuse the tile and K loops (overlaps a tile's epilogue with the next)
+    # Fuse the tile and K loops, overlapping a tile's epilogue with the next tile's loads:
+    # Triton's loop flattening in ragged M; in ragged K (whose K loop length varies by
+    # expert, which Triton cannot flatten) a hand-fused loop over the static deal of tiles.
+    flatten: bool = False
     c_tma: bool = True  # TMA store (or TMA reduce-add) of C vs masked st.global
     warp_specialize: bool = False  # producer/consumer warps for the tile loop
     ctas_per_sm: int = 1  # 2: two co-resident programs overlap each other's prologue/epilogue
@@ -260,30 +264,28 @@ def _grouped_mm_ragged_m_kernel(
 
 
 @triton.jit
-def _ragged_k_tile(
-    tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
-    num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
-    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, C_TMA: tl.constexpr,
-    EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+def _ragged_k_locate(
+    tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One (expert, m-tile, n-tile) of the ragged-K GEMM: tile ranks experts by decreasing count."""
-    dtype = c_ptr.dtype.element_ty
+    """Tile index → (expert, first row of C, first column of C, expert's [start, end) along T).
+    Tiles are ranked by expert (decreasing row count), then swizzled within the expert."""
     rank = tile // per_expert
     e = tl.sum(tl.where(offs_e == rank, order, 0), axis=0)
     pid_m, pid_n = _swizzle_tile(tile % per_expert, num_m, num_n, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
     start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
+    end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+    return e, pid_m * BLOCK_M, pid_n * BLOCK_N, start, end
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(end - start, BLOCK_K)):
-        row = start + ki * BLOCK_K - end + big
-        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
-        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
-        acc = tl.dot(a, b, acc)
 
+@triton.jit
+def _ragged_k_epilogue(
+    acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e, stride_c_m, stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """Store (or add into an accumulating C) one finished [BM, BN] tile of expert e."""
+    dtype = c_ptr.dtype.element_ty
     if C_TMA:
         # Bulk async store / reduce-add: the SM moves on to the next tile while the copy
         # engine drains this one, which is what hides main_grad's read-modify-write.
@@ -317,6 +319,103 @@ def _ragged_k_tile(
                 tl.store(c_ptrs, acc.to(dtype), mask=mask)
         else:
             tl.store(c_ptrs, acc.to(dtype), mask=mask)
+
+
+@triton.jit
+def _ragged_k_tile(
+    tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
+    num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, C_TMA: tl.constexpr,
+    EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """One (expert, m-tile, n-tile) of the ragged-K GEMM: tile ranks experts by decreasing count."""
+    e, off_m, off_n, start, end = _ragged_k_locate(
+        tile, order, offs_e, starts, ends, num_m, num_n, per_expert, BLOCK_M, BLOCK_N, GROUP_M
+    )
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(tl.cdiv(end - start, BLOCK_K)):
+        row = start + ki * BLOCK_K - end + big
+        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
+        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc)
+    _ragged_k_epilogue(
+        acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e, stride_c_m,
+        stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+    )  # fmt: skip
+
+
+@triton.jit
+def _ragged_k_flat_loop(
+    pid, a_desc, b_desc, c_desc, c_ptr, order, counts_by_rank, offs_e, in_e, starts, ends,
+    M, N, big, num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """This program's round-robin share of tiles as one loop over all of its K steps.
+
+    Triton's own loop flattening needs inner bounds invariant to the tile loop, which a
+    ragged K is not, so without this every tile restarts the load pipeline: its first loads
+    wait a full memory latency and the previous tile's epilogue overlaps nothing. Fused by
+    hand, the pipeliner issues the next tile's first loads while this one finishes and stores.
+
+    Experts with no rows rank last, so their tiles follow all the others; they take no K step
+    (a load box wholly outside the tensor faulted on the H100) and are zero-filled after the
+    loop, or left untouched when accumulating.
+    """
+    # counts_by_rank [BLOCK_E]: lane r holds the row count of the expert of rank r. Rank r
+    # owns tiles [r * per_expert, (r + 1) * per_expert), of which those congruent to pid
+    # modulo NUM_PROGRAMS are ours.
+    steps_by_rank = tl.where(in_e, tl.cdiv(counts_by_rank, BLOCK_K), 0)
+    first = offs_e * per_expert
+    ours = (first + per_expert - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
+        first - pid + NUM_PROGRAMS - 1
+    ) // NUM_PROGRAMS
+    total_steps = tl.sum(ours * steps_by_rank, axis=0)
+
+    tile = pid - NUM_PROGRAMS
+    ki = -1
+    k_steps = 0
+    e = 0
+    off_m = 0
+    off_n = 0
+    start = 0
+    end = 0
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(total_steps):
+        ki = tl.where(ki == k_steps - 1, 0, ki + 1)
+        if ki == 0:
+            tile += NUM_PROGRAMS
+            e, off_m, off_n, start, end = _ragged_k_locate(
+                tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
+                BLOCK_M, BLOCK_N, GROUP_M,
+            )  # fmt: skip
+            k_steps = tl.cdiv(end - start, BLOCK_K)
+        row = start + ki * BLOCK_K - end + big
+        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
+        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc)
+        if ki == k_steps - 1:
+            _ragged_k_epilogue(
+                acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e,
+                stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+            )  # fmt: skip
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    if not ACCUMULATE:
+        first_empty = tl.sum((steps_by_rank > 0).to(tl.int32), axis=0) * per_expert
+        first_ours = pid + tl.cdiv(tl.maximum(first_empty - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for tile in range(first_ours, per_expert * tl.sum(in_e.to(tl.int32), axis=0), NUM_PROGRAMS):
+            e, off_m, off_n, start, end = _ragged_k_locate(
+                tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
+                BLOCK_M, BLOCK_N, GROUP_M,
+            )  # fmt: skip
+            _ragged_k_epilogue(
+                zeros, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e,
+                stride_c_m, stride_c_n, False, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -370,8 +469,8 @@ def _grouped_mm_ragged_k_kernel(
     # order comes from an in-kernel sort of (count << 20 | expert): no host sync.
     offs_e, in_e, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
     counts = tl.where(in_e, ends - starts, -1)  # padding lanes sort last
-    order = tl.sort((counts.to(tl.int64) << 20) | offs_e.to(tl.int64), descending=True)
-    order = (order & 0xFFFFF).to(tl.int32)  # expert id by rank
+    ranked = tl.sort((counts.to(tl.int64) << 20) | offs_e.to(tl.int64), descending=True)
+    order = (ranked & 0xFFFFF).to(tl.int32)  # expert id by rank
 
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(
@@ -400,10 +499,15 @@ def _grouped_mm_ragged_k_kernel(
         if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel") == NUM_PROGRAMS - 1:
             tl.store(counter_ptr, 0)
             tl.store(counter_ptr + 1, 0)
+    elif FLATTEN:
+        _ragged_k_flat_loop(
+            pid, a_desc, b_desc, c_desc, c_ptr, order, (ranked >> 20).to(tl.int32), offs_e,
+            in_e, starts, ends, M, N, big, num_m, num_n, per_expert, stride_c_e, stride_c_m,
+            stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, C_TMA,
+            EPI_SUBTILE, EPI_N,
+        )  # fmt: skip
     else:
-        for tile in tl.range(
-            pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
-        ):
+        for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPEC):
             _ragged_k_tile(
                 tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
                 num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
@@ -431,17 +535,20 @@ _RAGGED_M_CANDIDATES_16 = (
 )
 _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, flatten=True),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4, dynamic=True),
     # 128 x 256 with a sub-tiled epilogue: the fp32 C tile halves (64 KB) fit beside 3 stages.
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, dynamic=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, dynamic=True),
     # fp32 out: the static form exceeds shared memory (the autotuner skips it); the dynamic
     # form compiles with Triton 3.6 (598 TFLOP/s on the TE-seed fp32 wgrad in the sweep).
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, dynamic=True),
+    # One loop over all of a program's K steps (see _ragged_k_flat_loop): the next tile's
+    # loads overlap this one's epilogue, worth ~10% where experts have few rows each.
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, flatten=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),

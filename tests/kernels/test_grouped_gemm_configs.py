@@ -133,3 +133,51 @@ def test_dynamic_schedule_counter_resets(monkeypatch):
         _check_ragged_k(cfg, [0, 40, 3, 70], 32, 64, torch.float16, "cpu", accumulate=accumulate,
                         calls=1)  # fmt: skip
         assert counter.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize(
+    "counts, M",
+    [
+        # empty experts first, in the middle and last: they rank last and are zero-filled
+        # after the flattened loop instead of taking a K step
+        ([0, 40, 0, 3, 70, 0], 64),
+        ([90, 0, 0, 0], 64),  # every row to one expert
+        ([1], 32),  # a single row, E = 1
+        ([33, 31, 65, 2, 0, 17, 50], 32),  # M = one tile: program p starts at rank p
+        ([0, 0, 0], 64),  # no rows at all: only zero tiles
+    ],
+)
+def test_flattened_ragged_k_loop(counts, M):
+    """Interpreter/CPU: the hand-fused ragged-K loop (``flatten=True``) counts each program's K
+    steps in-kernel; a miscount would drop or repeat tiles, so check it against the
+    reference on routings with empty experts, one expert with everything, and programs
+    whose first tile is not of the largest expert."""
+    from moekit.config import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
+    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True)
+    for accumulate in (False, True):
+        _check_ragged_k(cfg, counts, M, 64, torch.float16, "cpu", accumulate=accumulate,
+                        calls=1)  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_flattened_ragged_k_te_seed_routing():
+    """The benchmark's skewed TE-seed routing (one idle expert, one with 37% of the rows) at
+    full size: an early flattened loop gave the idle expert one K step whose TMA box lay
+    wholly outside the tensor, which faulted on the H100 with a bf16 C."""
+    counts = [25, 658, 3790, 9655, 0, 2170, 2136, 4922, 1911, 752,
+              475, 2445, 303, 8224, 593, 941, 1, 2300, 398, 24861]  # fmt: skip
+    offsets = _offsets(counts, "cuda")
+    T = sum(counts)
+    dy = torch.randn(T, 1024, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(T, 2048, dtype=torch.bfloat16, device="cuda")
+    ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+    for cfg in [c for c in K._candidates("k", torch.bfloat16) if c.flatten]:
+        out = torch.full((len(counts), 1024, 2048), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")  # fmt: skip
+        K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)
+        err = (out.double() - ref.double()).norm() / ref.double().norm()
+        assert err < 2e-2, f"{cfg}: relative error {err:.2e}"
+        assert torch.all(out[4] == 0)
