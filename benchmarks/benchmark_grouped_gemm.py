@@ -153,7 +153,10 @@ G = K.GemmConfig
 # config (Qwen3 451 vs 467, OLMoE 479 vs 478); so did warp-specialised 128 x 256 sub-tiled
 # configs (Qwen3 wgrad bf16 476 vs 478, dgrad 546 vs 571, below the best elsewhere); 256 x 128
 # ragged-K tiles were slower (Qwen3 bf16 wgrad 454 vs 473, DeepSeek 581 vs 607). The
-# hand-fused (flattened) ragged-K loop was a trial in session 6 and is now a candidate.
+# hand-fused (flattened) ragged-K loop was a trial in session 6 and is now a candidate; around
+# it (grouped_gemm_sweep3_h100.json, run session6-b, bf16 wgrad) BLOCK_K = 128 with two stages
+# was slower (Qwen3 421 vs 537), GROUP_M 4 / 16 within noise (Qwen3 523 / 526, OLMoE 551 / 534
+# vs 541), 256 x 128 tiles slower (Qwen3 498, DeepSeek 567 vs 638).
 TRIAL_CONFIGS = {
     "m": (),
     "k": (),
