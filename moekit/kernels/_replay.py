@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from triton import knobs
 
-from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter_ptr
+from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter_buffer
 
 __all__ = ["LaunchReplay", "launch"]
 
@@ -171,8 +171,10 @@ class LaunchReplay:
         # One scratch block serves every launch: they run in order on this stream.
         scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
+        counter = None
         if self._counter:  # the same per-stream counter the normal path would pass
-            ptrs.append(tile_counter_ptr(dev, stream))  # COUNTER_ROLE
+            counter = tile_counter_buffer(dev, stream)  # held until the launches are issued
+            ptrs.append(counter.data_ptr())  # COUNTER_ROLE
         for c in calls:
             args = c.template.copy()
             for pos, role, delta in c.slots:
@@ -185,6 +187,7 @@ class LaunchReplay:
                 g[0], g[1], g[2], stream, fn, coop, pdl, scratch if c.scratch else None, None,
                 packed, None, None, None, *args,
             )  # fmt: skip
+        del counter
         return True
 
     @contextlib.contextmanager

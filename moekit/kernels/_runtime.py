@@ -75,10 +75,10 @@ def _cuda_tile_counter(index: int, stream: int) -> torch.Tensor:
     return buf
 
 
-def tile_counter_ptr(index: int, stream: int) -> int:
-    """``tile_counter(...).data_ptr()`` for a known device index and raw stream (launch
-    replay's fast path)."""
-    return _cuda_tile_counter(index, stream).data_ptr()
+def tile_counter_buffer(index: int, stream: int) -> torch.Tensor:
+    """``tile_counter(...)`` for a known device index and raw stream (launch replay's fast
+    path)."""
+    return _cuda_tile_counter(index, stream)
 
 
 def is_tile_counter(ptr: int) -> bool:

@@ -686,7 +686,7 @@ def _skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
     # Built on the device: no host-to-device copy (and so no sync) during tuning.
     share = 1.0 / torch.arange(1, E + 1, dtype=torch.float64, device=like.device)
     ends = torch.floor(torch.cumsum(share, 0) / share.sum() * T)
-    ends[-1] = T
+    ends[-1:].fill_(T)  # a fill kernel: `ends[-1] = T` would copy a host scalar (a sync)
     return ends.to(like.dtype)
 
 

@@ -143,6 +143,7 @@ def test_dynamic_schedule_counter_resets(monkeypatch):
         ([90, 0, 0, 0], 64),  # every row to one expert
         ([1], 32),  # a single row, E = 1
         ([33, 31, 65, 2, 0, 17, 50], 32),  # M = one tile: program p starts at rank p
+        ([20, 0, 45, 7], 48),  # M not a multiple of the tile: partial C tiles
         ([0, 0, 0], 64),  # no rows at all: only zero tiles
     ],
 )

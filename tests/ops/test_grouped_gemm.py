@@ -312,6 +312,7 @@ def test_gpu_no_host_sync_and_cuda_graph_replay():
     offsets = offsets_from_counts(_skewed_counts(T, E, None), "cuda")
     for _ in range(2):  # warm-up: compile and autotune outside the checked region
         layer(x, offsets).sum().backward()
+        grouped_mm(x.detach().t(), x.detach(), offsets, out_dtype=torch.float32)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
