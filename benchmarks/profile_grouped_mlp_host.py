@@ -54,6 +54,21 @@ def host_us(fn, n: int, cycles_per_ms: float) -> float:
     return dt / n * 1e6
 
 
+def print_host_profile(fn, cycles_per_ms: float, sleep_ms: int, sorts) -> None:
+    """cProfile of 30 calls of ``fn`` behind ``sleep_ms`` of GPU work, printed once per
+    (sort key, rows) in ``sorts``."""
+    torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(30):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    for key, rows in sorts:
+        st.sort_stats(key).print_stats(rows)
+
+
 def main() -> None:
     cpm = sleep_cycles_per_ms()
 
@@ -95,17 +110,9 @@ def main() -> None:
         with torch.no_grad() if "launcher" in name else torch.enable_grad():
             print(f"  {name:28s} {host_us(fn, 50, cpm):8.1f}")
 
-    fn = rows["fwd+bwd (autograd.grad)"]
-    torch.cuda._sleep(int(800 * cpm))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(30):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    st = pstats.Stats(prof)
-    st.sort_stats("tottime").print_stats(28)
-    st.sort_stats("cumulative").print_stats(25)
+    print_host_profile(
+        rows["fwd+bwd (autograd.grad)"], cpm, 800, (("tottime", 28), ("cumulative", 25))
+    )
 
 
 if __name__ == "__main__":

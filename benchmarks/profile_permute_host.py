@@ -9,12 +9,10 @@ then prints a cProfile of permute + unpermute forward and backward, sorted by ow
 from __future__ import annotations
 
 import argparse
-import cProfile
-import pstats
 
 import torch
 from benchmark_grouped_mlp import sleep_cycles_per_ms
-from profile_grouped_mlp_host import host_us
+from profile_grouped_mlp_host import host_us, print_host_profile
 
 from moekit.kernels import permute as K
 from moekit.ops import permute, unpermute
@@ -74,15 +72,7 @@ def main() -> None:
         perm_fwd_bwd()
         unperm_fwd_bwd()
 
-    torch.cuda._sleep(int(600 * cpm))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(30):
-        both()
-    prof.disable()
-    torch.cuda.synchronize()
-    st = pstats.Stats(prof)
-    st.sort_stats("tottime").print_stats(25)
+    print_host_profile(both, cpm, 600, (("tottime", 25),))
 
 
 if __name__ == "__main__":

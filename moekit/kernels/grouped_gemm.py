@@ -348,7 +348,7 @@ def _ragged_k_tile(
 @triton.jit
 def _ragged_k_flat_loop(
     pid, a_desc, b_desc, c_desc, c_ptr, order, counts_by_rank, offs_e, in_e, starts, ends,
-    M, N, big, num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+    M, N, big, num_m, num_n, per_expert, num_tiles, stride_c_e, stride_c_m, stride_c_n,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
@@ -407,7 +407,7 @@ def _ragged_k_flat_loop(
         first_empty = tl.sum((steps_by_rank > 0).to(tl.int32), axis=0) * per_expert
         first_ours = pid + tl.cdiv(tl.maximum(first_empty - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
         zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tile in range(first_ours, per_expert * tl.sum(in_e.to(tl.int32), axis=0), NUM_PROGRAMS):
+        for tile in range(first_ours, num_tiles, NUM_PROGRAMS):
             e, off_m, off_n, start, end = _ragged_k_locate(
                 tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
                 BLOCK_M, BLOCK_N, GROUP_M,
@@ -502,9 +502,9 @@ def _grouped_mm_ragged_k_kernel(
     elif FLATTEN:
         _ragged_k_flat_loop(
             pid, a_desc, b_desc, c_desc, c_ptr, order, (ranked >> 20).to(tl.int32), offs_e,
-            in_e, starts, ends, M, N, big, num_m, num_n, per_expert, stride_c_e, stride_c_m,
-            stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS, C_TMA,
-            EPI_SUBTILE, EPI_N,
+            in_e, starts, ends, M, N, big, num_m, num_n, per_expert, num_tiles, stride_c_e,
+            stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+            C_TMA, EPI_SUBTILE, EPI_N,
         )  # fmt: skip
     else:
         for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPEC):
