@@ -83,20 +83,34 @@ def _swizzle_tile(tile, num_m, num_n, GROUP_M: tl.constexpr):
 def _ragged_rows_desc(ptr, T, C, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Descriptor over a row-major [T, C] matrix whose row bound is chosen per access.
 
-    A plain descriptor clips rows at T only. This one is 3-D, [T + 1, BIG, C] with strides
-    [stride, stride, 1] and base ``ptr - BIG * stride`` (BIG = T + BLOCK_R), so element
-    (j, i, c) lives at row i + j - BIG. Accessing rows [r, r + BLOCK_R) as (end, r - end + BIG, c)
-    makes the TMA engine's own bound check (i < BIG) clip exactly the rows >= end: loads past an
-    expert's end read zeros and stores past it are dropped. One descriptor per program then
-    serves every expert, instead of building one per tile.
+    A plain descriptor clips rows at T only. This one is 3-D, [T, BLOCK_R, C] with strides
+    [stride, stride, 1] and base ``ptr``, so element (j, i, c) is row j + i. Rows
+    [r, r + BLOCK_R) bounded at ``end`` are accessed at ``_ragged_rows_at(r, end, BLOCK_R)``
+    = (min(r, end - BLOCK_R), r - that): the TMA engine's own bound check (i < BLOCK_R) then
+    clips exactly the rows >= end, so loads past an expert's end read zeros and stores past it
+    are dropped, and one descriptor per program serves every expert.
+
+    The base must be ``ptr`` itself: the TMA unit touches the page of a descriptor's base
+    address even when no element there is accessed, and an earlier form whose base lay
+    (T + BLOCK_R) rows before the tensor faulted (illegal address) wherever that page was
+    unmapped. The price is the precondition end >= BLOCK_R (else j would be negative and the
+    whole box out of bounds): accesses bounded below that take the ``_ragged_rows_small``
+    (pointer) path.
     """
-    big = T + BLOCK_R
     return tl.make_tensor_descriptor(
-        ptr - big.to(tl.int64) * stride,
-        shape=[T + 1, big, C],
+        ptr,
+        shape=[tl.maximum(T, 1), BLOCK_R, C],
         strides=[stride, stride, 1],
         block_shape=[1, BLOCK_R, BLOCK_C],
     )
+
+
+@triton.jit
+def _ragged_rows_at(r, end, BLOCK_R: tl.constexpr):
+    """(j, i) coordinates of rows [r, r + BLOCK_R) bounded at ``end`` in a
+    ``_ragged_rows_desc`` (needs end >= BLOCK_R; see there)."""
+    j = tl.minimum(r, end - BLOCK_R)
+    return j, r - j
 
 
 @triton.jit
@@ -151,6 +165,39 @@ def _ragged_m_tile(
 
 
 @triton.jit
+def _ragged_m_acc(
+    a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e,
+    B_K_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """fp32 [BM, BN] tile of a[off_m:] @ b[e][:, off_n:] (+ bias[e]) for the ragged-M GEMM."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        a = a_desc.load([off_m, off_k])
+        if B_K_MAJOR:
+            b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
+        else:
+            b = b_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(a, b, acc)
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    return acc
+
+
+@triton.jit
+def _store_rows(c_ptr, c, off_m, off_n, row_end, N, stride_c_t,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Pointer store of a [BM, BN] tile of a row-major C, rows bounded at row_end."""
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_n + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
+    tl.store(c_ptrs, c, mask=(rows[:, None] < row_end) & (cols[None, :] < N))
+
+
+@triton.jit
 def _grouped_mm_ragged_m_kernel(
     # pointers
     a_ptr,  # [T, K]
@@ -188,11 +235,8 @@ def _grouped_mm_ragged_m_kernel(
     pid = tl.program_id(0)
     EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
 
-    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
-        offsets_ptr, E, T, BLOCK_M, BLOCK_E
-    )
+    offs_e, starts, ends, m_tiles, _, _ = _ragged_m_schedule(offsets_ptr, E, T, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(N, BLOCK_N)
-    num_tiles = total_m * num_n
     k_tiles = tl.cdiv(K, BLOCK_K)
 
     a_desc = tl.make_tensor_descriptor(
@@ -217,43 +261,53 @@ def _grouped_mm_ragged_m_kernel(
     )
     c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, EPI_N)
 
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC):
+    # Experts ending within the first BLOCK_M rows cannot be bounded by c_ragged (see
+    # _ragged_rows_desc). Their tiles (one m-tile each) leave the main loop's schedule and
+    # are done after it with pointer stores: a data-dependent branch inside the loop would
+    # break Triton's loop flattening (FuseNestedLoops), and the TMA engine rejects a store
+    # at a negative coordinate (illegal instruction).
+    small = ends < BLOCK_M
+    main_m = tl.where(small, 0, m_tiles)
+    cum_main = tl.cumsum(main_m, axis=0)
+    total_main = tl.sum(main_m, axis=0)
+    for tile in tl.range(
+        pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
+    ):
         e, off_m, row_end, pid_n = _ragged_m_tile(
-            tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
+            tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M
         )
         off_n = pid_n * BLOCK_N
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = a_desc.load([off_m, off_k])
-            if B_K_MAJOR:
-                b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
-            else:
-                b = b_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(a, b, acc)
-
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
+        acc = _ragged_m_acc(
+            a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
+            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
-            row = off_m - row_end + T + BLOCK_M
+            j, i = _ragged_rows_at(off_m, row_end, BLOCK_M)
             if EPI_SUBTILE:
                 c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
-                c_ragged.store([row_end, row, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
-                c_ragged.store(
-                    [row_end, row, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N)
-                )
+                c_ragged.store([j, i, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
+                c_ragged.store([j, i, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N))
             else:
-                c_ragged.store([row_end, row, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+                c_ragged.store([j, i, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
         else:
-            c = acc.to(dtype)
-            rows = off_m + tl.arange(0, BLOCK_M)
-            cols = off_n + tl.arange(0, BLOCK_N)
-            c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_c_t + cols[None, :]
-            tl.store(c_ptrs, c, mask=(rows[:, None] < row_end) & (cols[None, :] < N))
+            _store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
+                        BLOCK_M, BLOCK_N)  # fmt: skip
+
+    small_m = tl.where(small, m_tiles, 0)
+    cum_small = tl.cumsum(small_m, axis=0)
+    total_small = tl.sum(small_m, axis=0)
+    for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
+        e, off_m, row_end, pid_n = _ragged_m_tile(
+            tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
+        )
+        off_n = pid_n * BLOCK_N
+        acc = _ragged_m_acc(
+            a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
+            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+        _store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
+                    BLOCK_M, BLOCK_N)  # fmt: skip
 
     # Rows past offsets[-1] belong to no expert: zero them here rather than in a memset launch.
     tail_start = tl.max(ends, axis=0)
@@ -322,9 +376,31 @@ def _ragged_k_epilogue(
 
 
 @triton.jit
+def _ragged_k_small(
+    a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """[BM, BN] partial product of an expert that ends within the first BLOCK_K rows (which a
+    _ragged_rows_desc cannot bound): one masked pointer-load step over rows [start, end)."""
+    ks = tl.arange(0, BLOCK_K)
+    k_in = (ks >= start) & (ks < end)
+    am = off_m + tl.arange(0, BLOCK_M)
+    bn = off_n + tl.arange(0, BLOCK_N)
+    a = tl.load(
+        a_ptr + ks[:, None] * stride_a_t + am[None, :],
+        mask=k_in[:, None] & (am < M)[None, :], other=0.0,
+    )  # fmt: skip
+    b = tl.load(
+        b_ptr + ks[:, None] * stride_b_t + bn[None, :],
+        mask=k_in[:, None] & (bn < N)[None, :], other=0.0,
+    )  # fmt: skip
+    return tl.dot(tl.trans(a), b)
+
+
+@triton.jit
 def _ragged_k_tile(
-    tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
-    num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+    tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends, M, N,
+    num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, C_TMA: tl.constexpr,
     EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
@@ -334,11 +410,17 @@ def _ragged_k_tile(
         tile, order, offs_e, starts, ends, num_m, num_n, per_expert, BLOCK_M, BLOCK_N, GROUP_M
     )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for ki in range(tl.cdiv(end - start, BLOCK_K)):
-        row = start + ki * BLOCK_K - end + big
-        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
-        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+    k_steps = tl.where(end >= BLOCK_K, tl.cdiv(end - start, BLOCK_K), 0)
+    for ki in range(k_steps):
+        j, i = _ragged_rows_at(start + ki * BLOCK_K, end, BLOCK_K)
+        a = tl.trans(a_desc.load([j, i, off_m]).reshape(BLOCK_K, BLOCK_M))
+        b = b_desc.load([j, i, off_n]).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc)
+    if end < BLOCK_K:
+        acc = _ragged_k_small(
+            a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
     _ragged_k_epilogue(
         acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e, stride_c_m,
         stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
@@ -347,8 +429,9 @@ def _ragged_k_tile(
 
 @triton.jit
 def _ragged_k_flat_loop(
-    pid, a_desc, b_desc, c_desc, c_ptr, order, counts_by_rank, offs_e, in_e, starts, ends,
-    M, N, big, num_m, num_n, per_expert, num_tiles, stride_c_e, stride_c_m, stride_c_n,
+    pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, counts_by_rank, offs_e, in_e,
+    starts, ends, M, N, num_m, num_n, per_expert, num_tiles, stride_a_t, stride_b_t,
+    stride_c_e, stride_c_m, stride_c_n,
     ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
@@ -361,8 +444,9 @@ def _ragged_k_flat_loop(
     hand, the pipeliner issues the next tile's first loads while this one finishes and stores.
 
     Experts with no rows rank last, so their tiles follow all the others; they take no K step
-    (a load box wholly outside the tensor faulted on the H100) and are zero-filled after the
-    loop, or left untouched when accumulating.
+    and are zero-filled after the loop, or left untouched when accumulating. Experts that end
+    within the first BLOCK_K rows (which the row-bounded descriptors cannot bound) rank among
+    them (``counts_by_rank`` is 0 there) and are computed after the loop from pointer loads.
     """
     # counts_by_rank [BLOCK_E]: lane r holds the row count of the expert of rank r. Rank r
     # owns tiles [r * per_expert, (r + 1) * per_expert), of which those congruent to pid
@@ -392,9 +476,9 @@ def _ragged_k_flat_loop(
                 BLOCK_M, BLOCK_N, GROUP_M,
             )  # fmt: skip
             k_steps = tl.cdiv(end - start, BLOCK_K)
-        row = start + ki * BLOCK_K - end + big
-        a = tl.trans(a_desc.load([end, row, off_m]).reshape(BLOCK_K, BLOCK_M))
-        b = b_desc.load([end, row, off_n]).reshape(BLOCK_K, BLOCK_N)
+        j, i = _ragged_rows_at(start + ki * BLOCK_K, end, BLOCK_K)
+        a = tl.trans(a_desc.load([j, i, off_m]).reshape(BLOCK_K, BLOCK_M))
+        b = b_desc.load([j, i, off_n]).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc)
         if ki == k_steps - 1:
             _ragged_k_epilogue(
@@ -403,19 +487,25 @@ def _ragged_k_flat_loop(
             )  # fmt: skip
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    if not ACCUMULATE:
-        first_empty = tl.sum((steps_by_rank > 0).to(tl.int32), axis=0) * per_expert
-        first_ours = pid + tl.cdiv(tl.maximum(first_empty - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
-        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for tile in range(first_ours, num_tiles, NUM_PROGRAMS):
-            e, off_m, off_n, start, end = _ragged_k_locate(
-                tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
-                BLOCK_M, BLOCK_N, GROUP_M,
+    # The ranks with no K step: experts with no rows (zero-filled; untouched when
+    # accumulating) and those ending within the first BLOCK_K rows (pointer loads).
+    first_empty = tl.sum((steps_by_rank > 0).to(tl.int32), axis=0) * per_expert
+    first_ours = pid + tl.cdiv(tl.maximum(first_empty - pid, 0), NUM_PROGRAMS) * NUM_PROGRAMS
+    for tile in range(first_ours, num_tiles, NUM_PROGRAMS):
+        e, off_m, off_n, start, end = _ragged_k_locate(
+            tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
+            BLOCK_M, BLOCK_N, GROUP_M,
+        )  # fmt: skip
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if end < BLOCK_K:
+            acc = _ragged_k_small(
+                a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
+                BLOCK_M, BLOCK_N, BLOCK_K,
             )  # fmt: skip
-            _ragged_k_epilogue(
-                zeros, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e,
-                stride_c_m, stride_c_n, False, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
-            )  # fmt: skip
+        _ragged_k_epilogue(
+            acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e,
+            stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -461,14 +551,15 @@ def _grouped_mm_ragged_k_kernel(
     # engine zero-fills the K tail, so no other expert's rows leak into the sum.
     a_desc = _ragged_rows_desc(a_ptr, T, M, stride_a_t, BLOCK_K, BLOCK_M)
     b_desc = _ragged_rows_desc(b_ptr, T, N, stride_b_t, BLOCK_K, BLOCK_N)
-    big = T + BLOCK_K
 
     # A tile's cost is proportional to its expert's row count, so with skewed routing a
     # round-robin deal leaves some programs with several long tiles at the end. Dealing the
     # experts' tiles in order of decreasing count (longest first) keeps the tail short. The
-    # order comes from an in-kernel sort of (count << 20 | expert): no host sync.
+    # order comes from an in-kernel sort of (count << 20 | expert): no host sync. Experts
+    # ending within the first BLOCK_K rows (one cheap pointer-load step, see _ragged_k_small)
+    # sort with the empty ones, as count 0.
     offs_e, in_e, starts, ends = _expert_bounds(offsets_ptr, E, T, BLOCK_E)
-    counts = tl.where(in_e, ends - starts, -1)  # padding lanes sort last
+    counts = tl.where(in_e, tl.where(ends >= BLOCK_K, ends - starts, 0), -1)  # padding last
     ranked = tl.sort((counts.to(tl.int64) << 20) | offs_e.to(tl.int64), descending=True)
     order = (ranked & 0xFFFFF).to(tl.int32)  # expert id by rank
 
@@ -490,8 +581,9 @@ def _grouped_mm_ragged_k_kernel(
         while tile < num_tiles:
             next_tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
             _ragged_k_tile(
-                tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
-                num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+                tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends,
+                M, N, num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
+                stride_c_n,
                 ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
             )  # fmt: skip
             tile = next_tile
@@ -501,16 +593,18 @@ def _grouped_mm_ragged_k_kernel(
             tl.store(counter_ptr + 1, 0)
     elif FLATTEN:
         _ragged_k_flat_loop(
-            pid, a_desc, b_desc, c_desc, c_ptr, order, (ranked >> 20).to(tl.int32), offs_e,
-            in_e, starts, ends, M, N, big, num_m, num_n, per_expert, num_tiles, stride_c_e,
-            stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+            pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order,
+            (ranked >> 20).to(tl.int32), offs_e, in_e, starts, ends, M, N, num_m, num_n,
+            per_expert, num_tiles, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+            ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
             C_TMA, EPI_SUBTILE, EPI_N,
         )  # fmt: skip
     else:
         for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, warp_specialize=WARP_SPEC):
             _ragged_k_tile(
-                tile, a_desc, b_desc, c_desc, c_ptr, order, offs_e, starts, ends, M, N, big,
-                num_m, num_n, per_expert, stride_c_e, stride_c_m, stride_c_n,
+                tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends,
+                M, N, num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
+                stride_c_n,
                 ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
             )  # fmt: skip
 

@@ -34,6 +34,7 @@ from moekit.kernels.grouped_gemm import (
     _pick_config,
     _ragged_m_schedule,
     _ragged_m_tile,
+    _ragged_rows_at,
     _ragged_rows_desc,
 )
 
@@ -110,17 +111,17 @@ def _gate_cols(f, I):
 @triton.jit
 def _ragged_glu_desc(ptr, R, F, I, stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Descriptor over a gated [R, 2F] pre-activation (or its gradient) that clips rows at a
-    per-access expert end (the ``_ragged_rows_desc`` trick) and columns at each GLU block.
+    per-access expert end (the ``_ragged_rows_desc`` trick, same coordinates and the same
+    precondition end >= BLOCK_M) and columns at each GLU block.
 
-    5-D: [R + 1, BIG, F / I, 2, I] with strides [stride, stride, 2I, I, 1]. The gate columns
-    of F-units [f, f + C) are block (f // I, 0, f % I), the up columns (f // I, 1, f % I); with
-    halves (I = F) the TMA bound clips a tile's tail at F instead of spilling into the up half.
-    (Ungated tensors [R, F] use the 3-D ``_ragged_rows_desc``.)
+    5-D: [R, BLOCK_M, F / I, 2, I] with strides [stride, stride, 2I, I, 1] and base ``ptr``. The
+    gate columns of F-units [f, f + C) are block (f // I, 0, f % I), the up columns
+    (f // I, 1, f % I); with halves (I = F) the TMA bound clips a tile's tail at F instead of
+    spilling into the up half. (Ungated tensors [R, F] use the 3-D ``_ragged_rows_desc``.)
     """
-    big = R + BLOCK_M
     return tl.make_tensor_descriptor(
-        ptr - big.to(tl.int64) * stride,
-        shape=[R + 1, big, F // I, 2, I],
+        ptr,
+        shape=[tl.maximum(R, 1), BLOCK_M, F // I, 2, I],
         strides=[stride, stride, 2 * I, I, 1],
         block_shape=[1, BLOCK_M, 1, 1, BLOCK_C],
     )
@@ -218,7 +219,8 @@ def _grouped_mlp_fc1_kernel(
 
 @triton.jit
 def _dact_epilogue(
-    acc, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+    acc, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
+    stride_h, stride_dh, stride_a, probs_ptr,
     GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -227,37 +229,63 @@ def _dact_epilogue(
 
     Rows past the expert's end load h = 0 and are dropped by the stores; columns past F load
     h = 0 and da = 0 (w2 is clipped at F). act(0) = 0 for every activation, so neither adds to
-    the dprobs partial: no masks needed.
+    the dprobs partial: no masks needed. An expert ending within the first BLOCK_M rows (which
+    the row-bounded descriptors cannot bound) loads and stores through masked pointers.
     """
     dtype = dh_desc.dtype
-    r0 = off_m - row_end + R + BLOCK_M
+    rows = off_m + tl.arange(0, BLOCK_M)
+    cols = off_f + tl.arange(0, BLOCK_C)
+    by_tma = row_end >= BLOCK_M
+    j, i = _ragged_rows_at(off_m, row_end, BLOCK_M)
     fb = off_f // I
     fi = off_f % I
+    mask = (rows < row_end)[:, None] & (cols < F)[None, :]
     if GATED:
-        hg = h_desc.load([row_end, r0, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
-        hu = h_desc.load([row_end, r0, fb, 1, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+        gcol = _gate_cols(cols, I)
     else:
-        hg = h_desc.load([row_end, r0, off_f]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
-        hu = hg
+        gcol = cols
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
+    if by_tma:
+        if GATED:
+            hg = h_desc.load([j, i, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+            hu = h_desc.load([j, i, fb, 1, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+        else:
+            hg = h_desc.load([j, i, off_f]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
+            hu = hg
+    else:
+        hg = tl.load(h_rows + gcol[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATED:
+            hu = tl.load(h_rows + (gcol + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+        else:
+            hu = hg
     if HAS_PROBS:
-        rows = off_m + tl.arange(0, BLOCK_M)
         p = tl.load(probs_ptr + rows, mask=rows < row_end, other=0.0).to(tl.float32)
         d = acc * p[:, None]
     else:
         d = acc
     act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
-    if GATED:
-        dh_desc.store([row_end, r0, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
-        dh_desc.store([row_end, r0, fb, 1, fi], du.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+    if by_tma:
+        if GATED:
+            dh_desc.store([j, i, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+            dh_desc.store([j, i, fb, 1, fi], du.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
+        else:
+            dh_desc.store([j, i, off_f], dg.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
     else:
-        dh_desc.store([row_end, r0, off_f], dg.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
+        dh_rows = dh_ptr + rows.to(tl.int64)[:, None] * stride_dh
+        tl.store(dh_rows + gcol[None, :], dg.to(dtype), mask=mask)
+        if GATED:
+            tl.store(dh_rows + (gcol + I)[None, :], du.to(dtype), mask=mask)
     part = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if HAS_PROBS:
         part = tl.sum(acc * act, axis=1)
         if STORE_A:
             act = act * p[:, None]
     if STORE_A:
-        a_desc.store([row_end, r0, off_f], act.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
+        if by_tma:
+            a_desc.store([j, i, off_f], act.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
+        else:
+            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
+            tl.store(a_ptrs, act.to(dtype), mask=mask)
     return part
 
 
@@ -320,16 +348,19 @@ def _grouped_mlp_dact_kernel(
         if SUBTILE:
             acc0, acc1 = tl.split(acc.reshape(BLOCK_M, 2, EPI_N).permute(0, 2, 1))
             part = _dact_epilogue(
-                acc0, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                acc0, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
+                stride_h, stride_dh, stride_a, probs_ptr,
                 GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
             )  # fmt: skip
             part += _dact_epilogue(
-                acc1, off_m, row_end, off_f + EPI_N, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                acc1, off_m, row_end, off_f + EPI_N, F, I, h_desc, dh_desc, a_desc, h_ptr,
+                dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr,
                 GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
             )  # fmt: skip
         else:
             part = _dact_epilogue(
-                acc, off_m, row_end, off_f, R, I, h_desc, dh_desc, a_desc, probs_ptr,
+                acc, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
+                stride_h, stride_dh, stride_a, probs_ptr,
                 GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
             )  # fmt: skip
         if HAS_PROBS:
