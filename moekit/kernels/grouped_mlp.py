@@ -223,19 +223,19 @@ def _dact_epilogue(
     stride_h, stride_dh, stride_a, probs_ptr,
     GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BY_TMA: tl.constexpr,
 ):  # fmt: skip
     """One [BLOCK_M, BLOCK_C] slice of the dact epilogue; returns its dprobs partial [BLOCK_M].
 
     Rows past the expert's end load h = 0 and are dropped by the stores; columns past F load
     h = 0 and da = 0 (w2 is clipped at F). act(0) = 0 for every activation, so neither adds to
-    the dprobs partial: no masks needed. An expert ending within the first BLOCK_M rows (which
-    the row-bounded descriptors cannot bound) loads and stores through masked pointers.
+    the dprobs partial: no masks needed. ``BY_TMA`` False (experts ending within the first
+    BLOCK_M rows, which the row-bounded descriptors cannot bound) loads and stores through
+    masked pointers instead.
     """
     dtype = dh_desc.dtype
     rows = off_m + tl.arange(0, BLOCK_M)
     cols = off_f + tl.arange(0, BLOCK_C)
-    by_tma = row_end >= BLOCK_M
     j, i = _ragged_rows_at(off_m, row_end, BLOCK_M)
     fb = off_f // I
     fi = off_f % I
@@ -245,7 +245,7 @@ def _dact_epilogue(
     else:
         gcol = cols
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    if by_tma:
+    if BY_TMA:
         if GATED:
             hg = h_desc.load([j, i, fb, 0, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
             hu = h_desc.load([j, i, fb, 1, fi]).reshape(BLOCK_M, BLOCK_C).to(tl.float32)
@@ -264,7 +264,7 @@ def _dact_epilogue(
     else:
         d = acc
     act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
-    if by_tma:
+    if BY_TMA:
         if GATED:
             dh_desc.store([j, i, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
             dh_desc.store([j, i, fb, 1, fi], du.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))
@@ -281,12 +281,54 @@ def _dact_epilogue(
         if STORE_A:
             act = act * p[:, None]
     if STORE_A:
-        if by_tma:
+        if BY_TMA:
             a_desc.store([j, i, off_f], act.to(dtype).reshape(1, BLOCK_M, BLOCK_C))
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + cols[None, :]
             tl.store(a_ptrs, act.to(dtype), mask=mask)
     return part
+
+
+@triton.jit
+def _dact_tile(
+    e, off_m, row_end, pid_n, dy_desc, w_desc, F, I, k_tiles, h_desc, dh_desc, a_desc,
+    h_ptr, dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr, dprobs_part_ptr,
+    stride_part, GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr,
+    ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    SUBTILE: tl.constexpr, BY_TMA: tl.constexpr,
+):  # fmt: skip
+    """One (m-tile, F-tile) of the dact kernel: dy @ w2[e] and the fused epilogue."""
+    EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
+    off_f = pid_n * BLOCK_N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ki in range(k_tiles):
+        off_k = ki * BLOCK_K
+        g = dy_desc.load([off_m, off_k])
+        w = w_desc.load([e, off_k, off_f]).reshape(BLOCK_K, BLOCK_N)
+        acc = tl.dot(g, w, acc)
+
+    if SUBTILE:
+        acc0, acc1 = tl.split(acc.reshape(BLOCK_M, 2, EPI_N).permute(0, 2, 1))
+        part = _dact_epilogue(
+            acc0, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
+            stride_h, stride_dh, stride_a, probs_ptr,
+            GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N, BY_TMA,
+        )  # fmt: skip
+        part += _dact_epilogue(
+            acc1, off_m, row_end, off_f + EPI_N, F, I, h_desc, dh_desc, a_desc, h_ptr,
+            dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr,
+            GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N, BY_TMA,
+        )  # fmt: skip
+    else:
+        part = _dact_epilogue(
+            acc, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
+            stride_h, stride_dh, stride_a, probs_ptr,
+            GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N, BY_TMA,
+        )  # fmt: skip
+    if HAS_PROBS:
+        rows = off_m + tl.arange(0, BLOCK_M)
+        tl.store(dprobs_part_ptr + pid_n * stride_part + rows, part, mask=rows < row_end)
 
 
 @triton.jit
@@ -308,9 +350,7 @@ def _grouped_mlp_dact_kernel(
     FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
-        offsets_ptr, E, R, BLOCK_M, BLOCK_E
-    )
+    offs_e, starts, ends, m_tiles, _, _ = _ragged_m_schedule(offsets_ptr, E, R, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(F, BLOCK_N)
     k_tiles = tl.cdiv(H, BLOCK_K)
     dy_desc = tl.make_tensor_descriptor(
@@ -333,39 +373,36 @@ def _grouped_mlp_dact_kernel(
         dh_desc = _ragged_rows_desc(dh_ptr, R, F, stride_dh, BLOCK_M, EPI_N)
     a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, EPI_N)
 
-    for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
+    # Experts ending within the first BLOCK_M rows cannot be bounded by the row-bounded
+    # descriptors: their tiles (one m-tile each) run after the main loop with pointer loads
+    # and stores, keeping the main loop's epilogue free of data-dependent branches.
+    small = ends < BLOCK_M
+    main_m = tl.where(small, 0, m_tiles)
+    cum_main = tl.cumsum(main_m, axis=0)
+    total_main = tl.sum(main_m, axis=0)
+    for tile in tl.range(pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = _ragged_m_tile(
-            tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
+            tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M
         )
-        off_f = pid_n * BLOCK_N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            g = dy_desc.load([off_m, off_k])
-            w = w_desc.load([e, off_k, off_f]).reshape(BLOCK_K, BLOCK_N)
-            acc = tl.dot(g, w, acc)
-
-        if SUBTILE:
-            acc0, acc1 = tl.split(acc.reshape(BLOCK_M, 2, EPI_N).permute(0, 2, 1))
-            part = _dact_epilogue(
-                acc0, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
-                stride_h, stride_dh, stride_a, probs_ptr,
-                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
-            )  # fmt: skip
-            part += _dact_epilogue(
-                acc1, off_m, row_end, off_f + EPI_N, F, I, h_desc, dh_desc, a_desc, h_ptr,
-                dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr,
-                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
-            )  # fmt: skip
-        else:
-            part = _dact_epilogue(
-                acc, off_m, row_end, off_f, F, I, h_desc, dh_desc, a_desc, h_ptr, dh_ptr, a_ptr,
-                stride_h, stride_dh, stride_a, probs_ptr,
-                GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M, EPI_N,
-            )  # fmt: skip
-        if HAS_PROBS:
-            rows = off_m + tl.arange(0, BLOCK_M)
-            tl.store(dprobs_part_ptr + pid_n * stride_part + rows, part, mask=rows < row_end)
+        _dact_tile(
+            e, off_m, row_end, pid_n, dy_desc, w_desc, F, I, k_tiles, h_desc, dh_desc, a_desc,
+            h_ptr, dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr, dprobs_part_ptr,
+            stride_part, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M,
+            BLOCK_N, BLOCK_K, SUBTILE, True,
+        )  # fmt: skip
+    small_m = tl.where(small, m_tiles, 0)
+    cum_small = tl.cumsum(small_m, axis=0)
+    total_small = tl.sum(small_m, axis=0)
+    for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
+        e, off_m, row_end, pid_n = _ragged_m_tile(
+            tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
+        )
+        _dact_tile(
+            e, off_m, row_end, pid_n, dy_desc, w_desc, F, I, k_tiles, h_desc, dh_desc, a_desc,
+            h_ptr, dh_ptr, a_ptr, stride_h, stride_dh, stride_a, probs_ptr, dprobs_part_ptr,
+            stride_part, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M,
+            BLOCK_N, BLOCK_K, SUBTILE, False,
+        )  # fmt: skip
 
     if HAS_PROBS:
         # Rows past offsets[-1] belong to no expert: their partials are zero (prob grad 0).
