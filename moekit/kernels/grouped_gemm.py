@@ -94,8 +94,8 @@ def _ragged_rows_desc(ptr, T, C, stride, BLOCK_R: tl.constexpr, BLOCK_C: tl.cons
     address even when no element there is accessed, and an earlier form whose base lay
     (T + BLOCK_R) rows before the tensor faulted (illegal address) wherever that page was
     unmapped. The price is the precondition end >= BLOCK_R (else j would be negative and the
-    whole box out of bounds): accesses bounded below that take the ``_ragged_rows_small``
-    (pointer) path.
+    whole box out of bounds): experts ending within the first BLOCK_R rows take pointer paths
+    (_store_rows after the ragged-M main loop, _ragged_k_small, the dact kernel's second loop).
     """
     return tl.make_tensor_descriptor(
         ptr,
