@@ -165,6 +165,33 @@ def _ragged_m_tile(
 
 
 @triton.jit
+def _split_small_experts(ends, m_tiles, BLOCK_M: tl.constexpr):
+    """Split a ragged-M schedule's m-tiles into the main loop's and those of experts ending
+    within the first BLOCK_M rows (which a _ragged_rows_desc cannot bound: pointer paths).
+    Returns (main_m, cum_main, total_main, small_m, cum_small, total_small)."""
+    small = ends < BLOCK_M
+    main_m = tl.where(small, 0, m_tiles)
+    small_m = tl.where(small, m_tiles, 0)
+    return (
+        main_m, tl.cumsum(main_m, axis=0), tl.sum(main_m, axis=0),
+        small_m, tl.cumsum(small_m, axis=0), tl.sum(small_m, axis=0),
+    )  # fmt: skip
+
+
+@triton.jit
+def _store_c_tile(desc, p, q, off_n, c, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  EPI_SUBTILE: tl.constexpr):  # fmt: skip
+    """TMA store of a [BM, BN] C tile at (p, q, off_n) of a 3-D descriptor, as two [BM, BN/2]
+    halves with EPI_SUBTILE (the descriptor's block is then half as wide)."""
+    if EPI_SUBTILE:
+        c0, c1 = _split_columns(c, BLOCK_M, BLOCK_N)
+        desc.store([p, q, off_n], c0.reshape(1, BLOCK_M, BLOCK_N // 2))
+        desc.store([p, q, off_n + BLOCK_N // 2], c1.reshape(1, BLOCK_M, BLOCK_N // 2))
+    else:
+        desc.store([p, q, off_n], c.reshape(1, BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _ragged_m_acc(
     a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e,
     B_K_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -266,10 +293,9 @@ def _grouped_mm_ragged_m_kernel(
     # are done after it with pointer stores: a data-dependent branch inside the loop would
     # break Triton's loop flattening (FuseNestedLoops), and the TMA engine rejects a store
     # at a negative coordinate (illegal instruction).
-    small = ends < BLOCK_M
-    main_m = tl.where(small, 0, m_tiles)
-    cum_main = tl.cumsum(main_m, axis=0)
-    total_main = tl.sum(main_m, axis=0)
+    main_m, cum_main, total_main, small_m, cum_small, total_small = _split_small_experts(
+        ends, m_tiles, BLOCK_M
+    )
     for tile in tl.range(
         pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
     ):
@@ -284,19 +310,11 @@ def _grouped_mm_ragged_m_kernel(
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
             j, i = _ragged_rows_at(off_m, row_end, BLOCK_M)
-            if EPI_SUBTILE:
-                c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
-                c_ragged.store([j, i, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
-                c_ragged.store([j, i, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N))
-            else:
-                c_ragged.store([j, i, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+            _store_c_tile(c_ragged, j, i, off_n, acc.to(dtype), BLOCK_M, BLOCK_N, EPI_SUBTILE)
         else:
             _store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
                         BLOCK_M, BLOCK_N)  # fmt: skip
 
-    small_m = tl.where(small, m_tiles, 0)
-    cum_small = tl.cumsum(small_m, axis=0)
-    total_small = tl.sum(small_m, axis=0)
     for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
@@ -351,12 +369,8 @@ def _ragged_k_epilogue(
                     c_desc.atomic_add([e, off_m, off_n + EPI_N], c1.reshape(1, BLOCK_M, EPI_N))
                 else:
                     c_desc.atomic_add([e, off_m, off_n], acc.reshape(1, BLOCK_M, BLOCK_N))
-        elif EPI_SUBTILE:
-            c0, c1 = _split_columns(acc, BLOCK_M, BLOCK_N)
-            c_desc.store([e, off_m, off_n], c0.to(dtype).reshape(1, BLOCK_M, EPI_N))
-            c_desc.store([e, off_m, off_n + EPI_N], c1.to(dtype).reshape(1, BLOCK_M, EPI_N))
         else:
-            c_desc.store([e, off_m, off_n], acc.to(dtype).reshape(1, BLOCK_M, BLOCK_N))
+            _store_c_tile(c_desc, e, off_m, off_n, acc.to(dtype), BLOCK_M, BLOCK_N, EPI_SUBTILE)
     else:
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)

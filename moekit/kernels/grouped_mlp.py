@@ -36,6 +36,7 @@ from moekit.kernels.grouped_gemm import (
     _ragged_m_tile,
     _ragged_rows_at,
     _ragged_rows_desc,
+    _split_small_experts,
 )
 
 # activation codes (constexpr ACT); names as in moekit.reference.activations
@@ -376,10 +377,9 @@ def _grouped_mlp_dact_kernel(
     # Experts ending within the first BLOCK_M rows cannot be bounded by the row-bounded
     # descriptors: their tiles (one m-tile each) run after the main loop with pointer loads
     # and stores, keeping the main loop's epilogue free of data-dependent branches.
-    small = ends < BLOCK_M
-    main_m = tl.where(small, 0, m_tiles)
-    cum_main = tl.cumsum(main_m, axis=0)
-    total_main = tl.sum(main_m, axis=0)
+    main_m, cum_main, total_main, small_m, cum_small, total_small = _split_small_experts(
+        ends, m_tiles, BLOCK_M
+    )
     for tile in tl.range(pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M
@@ -390,9 +390,6 @@ def _grouped_mlp_dact_kernel(
             stride_part, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M,
             BLOCK_N, BLOCK_K, SUBTILE, True,
         )  # fmt: skip
-    small_m = tl.where(small, m_tiles, 0)
-    cum_small = tl.cumsum(small_m, axis=0)
-    total_small = tl.sum(small_m, axis=0)
     for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
