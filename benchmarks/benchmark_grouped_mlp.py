@@ -679,7 +679,15 @@ def main() -> int:
         help="start no new shape past this many seconds (default 150 with --quick, 900 without)",
     )  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, end to end (CPU or GPU)")
+    ap.add_argument(
+        "--host-cpus", default=None,
+        help="comma list of CPU ids to pin the process to before anything starts threads "
+        "(e.g. 2: the caller and autograd's device thread share one core; see docs)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.host_cpus:
+        # Threads started from here on (autograd's device thread among them) inherit the mask.
+        os.sched_setaffinity(0, {int(c) for c in args.host_cpus.split(",")})
 
     t_start = time.time()
     cuda = torch.cuda.is_available()
@@ -719,13 +727,15 @@ def main() -> int:
     # Host overhead (eager) first: a small shape, and the numbers with targets.
     n_calls = 10 if args.smoke else 50
     cycles_per_ms = None
-    log("\nhost overhead (eager):")
+    pinned = f", pinned to CPUs {args.host_cpus}" if args.host_cpus else ""
+    log(f"\nhost overhead (eager{pinned}):")
     try:
         if cuda:
             cycles_per_ms = sleep_cycles_per_ms()
             log(f"  torch.cuda._sleep: {cycles_per_ms / 1e6:.2f} G cycles per second")
         host_shape = SMOKE_HOST_SHAPE if args.smoke else HOST_SHAPE
         state["host"] = run_host(host_shape, names, timer, device, n_calls, cycles_per_ms)
+        state["host"]["cpus"] = sorted(os.sched_getaffinity(0))
     except Exception as exc:
         log(f"  host overhead FAILED: {_err(exc)}")
     gc.collect()

@@ -3,13 +3,15 @@
 Times each layer of the call stack with the GPU kept busy by ``torch.cuda._sleep`` (so the host
 never waits on it), then prints a cProfile of whole calls sorted by own time.
 
-    python benchmarks/profile_grouped_mlp_host.py
+    python benchmarks/profile_grouped_mlp_host.py [CPU ids to pin to, e.g. 2]
 """
 
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import sys
 import time
 
 import torch
@@ -70,6 +72,8 @@ def print_host_profile(fn, cycles_per_ms: float, sleep_ms: int, sorts) -> None:
 
 
 def main() -> None:
+    if len(sys.argv) > 1:  # CPU ids to pin to, e.g. "2" (threads started later inherit it)
+        os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")})
     cpm = sleep_cycles_per_ms()
 
     R, E, H, F = 4096, 8, 1024, 1024
@@ -86,10 +90,16 @@ def main() -> None:
     y = torch.empty(R, H, device=dev, dtype=dt)
     buf = torch.zeros(1024, device=dev)
 
+    def fwd_then_direct_backward():
+        # The backward body called on this thread: no hand-off to autograd's device thread.
+        y = grouped_mlp(x, off, w1, w2, p)
+        return type(y.grad_fn)._forward_cls.backward(y.grad_fn, dy)
+
     rows = {
         "fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
             grouped_mlp(x, off, w1, w2, p), ins, dy
         ),
+        "fwd + backward body, direct": fwd_then_direct_backward,
         "forward only": lambda: grouped_mlp(x, off, w1, w2, p),
         "autograd floor (no kernels)": lambda: torch.autograd.grad(
             _AutogradFloor.apply(x, w1, w2, p), (x,), dy
