@@ -91,6 +91,10 @@ def bench_us(fns: list, rep_ms: float) -> float:
         t0 = time.perf_counter()
         fn()
         return (time.perf_counter() - t0) * 1e6
+    for f in fns:  # whatever the calls allocate is reserved, then settles (settle_fresh_memory)
+        f()
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_CALL_S)
     ms = triton.testing.do_bench(
         fn, warmup=max(5.0, rep_ms), rep=max(20.0, 4 * rep_ms), return_mode="median"
     )
@@ -98,6 +102,7 @@ def bench_us(fns: list, rep_ms: float) -> float:
 
 
 SETTLE_S = 0.3  # wait after reserving fresh device memory (see settle_fresh_memory)
+SETTLE_CALL_S = 0.05  # the same after each measurement's warm calls (the window is ~15 ms)
 
 
 def settle_fresh_memory(nbytes: int) -> None:
@@ -111,8 +116,9 @@ def settle_fresh_memory(nbytes: int) -> None:
     removes most of the slow window): the driver's background work on new physical memory
     competes for DRAM bandwidth. The grid empties the cache between configurations, so each
     configuration's first calls would allocate (and be timed) in that window; a training step
-    reuses cached blocks and never is. One settled segment that every later allocation of
-    the configuration is carved from keeps the timings to the steady state."""
+    reuses cached blocks and never is. A settled segment that the configuration's allocations
+    are carved from, and a short wait after each measurement's warm calls (for what goes
+    beyond the segment), keep every contender's timings to the steady state."""
     if not _cuda() or nbytes <= 0:
         return
     free, _ = torch.cuda.mem_get_info()
@@ -172,6 +178,8 @@ def gpu_us(fns: list, n: int = GPU_CALLS) -> float | None:
     it = itertools.cycle(fns)
     for _ in range(2):  # warm: compilation stays out of the profile
         next(it)()
+    torch.cuda.synchronize()
+    time.sleep(SETTLE_CALL_S)  # out of the slow window of what the warm calls allocated
     flush_l2()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -329,7 +337,7 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
     # The configuration's tensors (inputs, outputs, gradients, the baselines' buffers) are
     # carved from one settled segment of five [R, H] and six [T, H] buffers. Ours are timed
     # first; later passes may go beyond the segment at the largest shapes (the grid prints the
-    # peak reserved memory: 55-72 GiB at T=65536, H=7168, k=8 against a 43 GiB segment).
+    # peak reserved memory: 55-72 GiB at T=65536, H=7168, k=8 against a 40-42 GiB segment).
     settle_fresh_memory((5 * R + 6 * T) * H * b + (64 << 20))
     # One input set, made before any timing (both timers flush L2 before every call).
     idx, probs = routing(T, E, k)
