@@ -110,11 +110,11 @@ def settle_fresh_memory(nbytes: int) -> None:
     cache, and wait ``SETTLE_S`` before any timing.
 
     On the lent H100 every kernel runs ~13% slower for ~15 ms after a cudaMalloc of a few GB
-    (a permute scatter into a freshly allocated 7.5 GB buffer: 2360 GB/s for its first five
-    calls, 2730 GB/s from then on; a plain ``zero_`` of it 2860 vs 3290 GB/s; the same buffer
-    reused from the cache is fast from its first call, and a 1 s wait after the allocation
-    removes most of the slow window): the driver's background work on new physical memory
-    competes for DRAM bandwidth. The grid empties the cache between configurations, so each
+    (benchmarks/probe_fresh_allocation.py: a permute scatter into a freshly allocated 7.5 GB
+    buffer runs 2190-2500 GB/s for its first five calls and 2730 GB/s from then on; a plain
+    ``zero_`` of it 2770-2860 vs 3290 GB/s; a 1 s wait after the allocation leaves one slow
+    call). The cause is not established (background work of the driver on new physical memory
+    competing for DRAM bandwidth would fit). The grid empties the cache between configurations, so each
     configuration's first calls would allocate (and be timed) in that window; a training step
     reuses cached blocks and never is. A settled segment that the configuration's allocations
     are carved from, and a short wait after each measurement's warm calls (for what goes
