@@ -681,7 +681,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, end to end (CPU or GPU)")
     ap.add_argument(
         "--host-cpus", default=None,
-        help="comma list of CPU ids to pin the process to before anything starts threads "
+        help="comma list of CPU ids to pin the process to; threads started later inherit it "
         "(e.g. 2: the caller and autograd's device thread share one core; see docs)",
     )  # fmt: skip
     args = ap.parse_args()

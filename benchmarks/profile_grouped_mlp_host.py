@@ -92,8 +92,8 @@ def main() -> None:
 
     def fwd_then_direct_backward():
         # The backward body called on this thread: no hand-off to autograd's device thread.
-        y = grouped_mlp(x, off, w1, w2, p)
-        return type(y.grad_fn)._forward_cls.backward(y.grad_fn, dy)
+        out = grouped_mlp(x, off, w1, w2, p)
+        return type(out.grad_fn)._forward_cls.backward(out.grad_fn, dy)
 
     rows = {
         "fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
