@@ -59,6 +59,9 @@ class GemmConfig:
     # Ragged K only: programs take tiles from an atomic counter (greedy, longest expert first)
     # instead of a static round-robin deal, which skewed expert sizes leave unbalanced.
     dynamic: bool = False
+    # Ragged M only: swizzle tiles within each expert rather than over the global m-tile
+    # index, so concurrently running tiles share one expert's weights (see _ragged_m_tile).
+    expert_groups: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,16 +155,28 @@ def _ragged_m_schedule(offsets_ptr, E, T, BLOCK_M: tl.constexpr, BLOCK_E: tl.con
 @triton.jit
 def _ragged_m_tile(
     tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n,
-    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr, EXPERT_GROUPS: tl.constexpr = False,
 ):  # fmt: skip
-    """Tile index → (expert, first row, expert's end row, n-tile): the global m-tile g belongs
-    to the expert whose inclusive m-tile cumsum first exceeds g."""
-    g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
-    e = tl.sum((cum_m_tiles <= g_m).to(tl.int32), axis=0)
-    m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
+    """Tile index → (expert, first row, expert's end row, n-tile).
+
+    Default: the GROUP_M swizzle runs over the global m-tile index g, and g belongs to the
+    expert whose inclusive m-tile cumsum first exceeds g; a band of GROUP_M m-tiles may then
+    span two or three experts, whose weights are all streamed at once. EXPERT_GROUPS: each
+    expert's tiles are contiguous in the schedule and the swizzle runs within the expert, so a
+    band's m-tiles share one expert's weight tiles."""
+    if EXPERT_GROUPS:
+        e = tl.sum((cum_m_tiles * num_n <= tile).to(tl.int32), axis=0)
+        m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
+        m_e = tl.sum(tl.where(offs_e == e, m_tiles, 0), axis=0)
+        m_local, pid_n = _swizzle_tile(tile - m_before * num_n, m_e, num_n, GROUP_M)
+    else:
+        g_m, pid_n = _swizzle_tile(tile, total_m, num_n, GROUP_M)
+        e = tl.sum((cum_m_tiles <= g_m).to(tl.int32), axis=0)
+        m_before = tl.sum(tl.where(offs_e < e, m_tiles, 0), axis=0)
+        m_local = g_m - m_before
     row_start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
     row_end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
-    return e, row_start + (g_m - m_before) * BLOCK_M, row_end, pid_n
+    return e, row_start + m_local * BLOCK_M, row_end, pid_n
 
 
 @triton.jit
@@ -257,6 +272,7 @@ def _grouped_mm_ragged_m_kernel(
     C_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr,
     EPI_SUBTILE: tl.constexpr,
+    EXPERT_GROUPS: tl.constexpr,
 ):
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -300,8 +316,9 @@ def _grouped_mm_ragged_m_kernel(
         pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN, warp_specialize=WARP_SPEC
     ):
         e, off_m, row_end, pid_n = _ragged_m_tile(
-            tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M
-        )
+            tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M,
+            EXPERT_GROUPS,
+        )  # fmt: skip
         off_n = pid_n * BLOCK_N
         acc = _ragged_m_acc(
             a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
@@ -640,6 +657,18 @@ _RAGGED_M_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=4, c_tma=False),
     GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, expert_groups=True),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True, expert_groups=True),
+    GemmConfig(
+        128,
+        256,
+        64,
+        num_warps=8,
+        num_stages=4,
+        epilogue_subtile=True,
+        flatten=True,
+        expert_groups=True,
+    ),
 )
 _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
@@ -776,6 +805,7 @@ def grouped_mm_ragged_m(
             C_TMA=cfg.c_tma,
             WARP_SPEC=cfg.warp_specialize,
             EPI_SUBTILE=cfg.epilogue_subtile,
+            EXPERT_GROUPS=cfg.expert_groups,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip

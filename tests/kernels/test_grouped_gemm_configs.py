@@ -162,6 +162,22 @@ def test_flattened_ragged_k_loop(counts, M):
                         calls=1)  # fmt: skip
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 8])
+def test_expert_grouped_ragged_m_schedule(group_m):
+    """Interpreter/CPU: with ``expert_groups`` the ragged-M schedule locates each tile's expert
+    from a per-expert tile cumsum and swizzles within the expert; a miscount would drop or
+    repeat tiles. Experts with no rows, one row, several m-tiles (block 32 here) and bands of
+    GROUP_M m-tiles cut short at an expert's end."""
+    from moekit.config import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
+    cfg = dataclasses.replace(K._INTERPRET_CONFIG, expert_groups=True, group_m=group_m)
+    counts = [40, 0, 1, 70, 33, 0, 130, 5, 64]
+    _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=True, bias=False)
+    _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=False, bias=True)
+
+
 @pytest.mark.parametrize("kind", ["m", "k", "k dynamic", "k flat"])
 def test_experts_ending_within_the_first_tile(kind, monkeypatch):
     """Interpreter/CPU: experts that end before row BLOCK (32 here) cannot be bounded by the
