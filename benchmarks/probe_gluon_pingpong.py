@@ -65,6 +65,15 @@ def _tile(t, idx, cum, off, num_m, num_n, BM: gl.constexpr, GROUP_M: gl.constexp
 
 
 @gluon.jit
+def _program_share(cum_ptr, E, N, K, BN: gl.constexpr, BK: gl.constexpr):
+    """What every partition needs to walk this program's tiles: (program, programs, m-tiles,
+    n-tiles, tiles, k-steps per tile); the m-tile count is cum_ptr[E]."""
+    num_n = gl.cdiv(N, BN)
+    num_m = gl.load(cum_ptr + E)
+    return (gl.program_id(0), gl.num_programs(0), num_m, num_n, num_m * num_n, gl.cdiv(K, BK))
+
+
+@gluon.jit
 def _producer(
     a_desc,
     w_desc,
@@ -84,12 +93,7 @@ def _producer(
     GROUP_M: gl.constexpr,
     BLOCK_E: gl.constexpr,
 ):
-    pid = gl.program_id(0)
-    G = gl.num_programs(0)
-    num_n = gl.cdiv(N, BN)
-    num_m = gl.load(cum_ptr + E)
-    num_tiles = num_m * num_n
-    k_tiles = gl.cdiv(K, BK)
+    pid, G, num_m, num_n, num_tiles, k_tiles = _program_share(cum_ptr, E, N, K, BN, BK)
     idx, cum, off = _load_tables(cum_ptr, off_ptr, E, BLOCK_E, 1)
     p = 0
     for t in range(pid, num_tiles, G):
@@ -132,12 +136,7 @@ def _consumer(
     BLOCK_E: gl.constexpr,
     INSTR_N: gl.constexpr,
 ):
-    pid = gl.program_id(0)
-    G = gl.num_programs(0)
-    num_n = gl.cdiv(N, BN)
-    num_m = gl.load(cum_ptr + E)
-    num_tiles = num_m * num_n
-    k_tiles = gl.cdiv(K, BK)
+    pid, G, num_m, num_n, num_tiles, k_tiles = _program_share(cum_ptr, E, N, K, BN, BK)
     dtype: gl.constexpr = c_desc.dtype
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, INSTR_N, 16]
