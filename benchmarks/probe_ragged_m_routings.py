@@ -6,6 +6,7 @@ ragged-M candidate and torch._grouped_mm on each, to see how much the ratio to t
 with the routing alone and whether one candidate is best throughout.
 
 python benchmarks/probe_ragged_m_routings.py [--draws 6] [--shapes deepseek_v3_ep8 ...]
+    [--cands 0,7,10]
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=6)
     ap.add_argument("--shapes", nargs="*", default=["deepseek_v3_ep8"])
     ap.add_argument("--passes", nargs="*", default=["fc1_fwd", "fc2_fwd", "fc1_dgrad"])
+    ap.add_argument("--cands", default="", help="comma list of candidate indices (all)")
     args = ap.parse_args()
     cands = G._candidates("m", torch.bfloat16)
+    if args.cands:
+        cands = tuple(cands[int(i)] for i in args.cands.split(","))
     table = []
     for name, T, E, H, F in SHAPES:
         if name not in args.shapes:
@@ -44,10 +48,16 @@ def main() -> None:
                 )
             out = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
             flops = 2 * T * N * K
-            for draw in range(args.draws):
-                torch.manual_seed(1000 + draw)
-                counts = routing_counts(T, E, True, torch.Generator().manual_seed(draw))
-                offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
+            # draw -1: the random skewed routing the autotuner adds to the call's own
+            for draw in range(-1, args.draws):
+                if draw < 0:
+                    like = torch.zeros(1, device="cuda", dtype=torch.int32)
+                    offsets = G._random_skewed_offsets(T, E, like)
+                    counts = offsets.diff(prepend=offsets[:1] * 0).cpu()
+                else:
+                    torch.manual_seed(1000 + draw)
+                    counts = routing_counts(T, E, True, torch.Generator().manual_seed(draw))
+                    offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
                 torch_tf = flops / bench(lambda: torch._grouped_mm(a, b, offs=offsets)) / 1e9
                 tfs = []
                 for cfg in cands:
@@ -76,6 +86,61 @@ def main() -> None:
         )
     for i, c in enumerate(cands):
         print(i, c)
+    print_tuning_policies(table)
+
+
+def _pick(policy: str, tfs_d: list[float], other: list[float] | None) -> int:
+    """The candidate a tuning policy keeps after timing every candidate on routing d."""
+    best_on_d = max(range(len(tfs_d)), key=tfs_d.__getitem__)
+    if policy == "default" or (policy == "tuner" and other is None):
+        return 0
+    if policy == "own" or other is None:
+        return best_on_d
+    # "tuner" (_pick_config with routing_robust_tuning, keep_default_within=0.05): least total
+    # time on d and the other routing, kept only if > 5% faster than the default on both
+    cost = [1 / max(x, 1e-9) + 1 / max(y, 1e-9) for x, y in zip(tfs_d, other)]
+    best = min(range(len(cost)), key=cost.__getitem__)
+    beats = tfs_d[best] > 1.05 * tfs_d[0] and other[best] > 1.05 * other[0]
+    return best if beats else 0
+
+
+def print_tuning_policies(table) -> None:
+    """The autotuner times candidates on one routing (the first call's) and keeps its choice
+    for every later routing. For each tuning draw d and each later draw d' != d: the chosen
+    candidate's TFLOP/s on d' as a fraction of the best candidate on d' (and its ratio to
+    torch there). Policies: "own" picks the fastest on d alone (the tuner before session 10);
+    "tuner" is today's rule (see _pick); "default" never tunes (candidate 0)."""
+    print("\ntuning policy | shape pass | mean frac of best | min frac | min ratio vs torch")
+    keys = sorted({(n, w) for n, w, *_ in table})
+    summary = {}
+    for policy in ("own", "tuner", "default"):
+        for name, which in keys:
+            rows = {d: (t, tfs) for n, w, d, _, _, _, t, tfs in table if (n, w) == (name, which)}
+            other = rows.get(-1, (None, None))[1]
+            fracs, ratios = [], []
+            for d, (_, tfs_d) in rows.items():
+                if d < 0:
+                    continue
+                pick = _pick(policy, tfs_d, other)
+                for d2, (torch_tf, tfs2) in rows.items():
+                    if d2 < 0 or d2 == d:
+                        continue
+                    fracs.append(tfs2[pick] / max(tfs2))
+                    ratios.append(tfs2[pick] / torch_tf)
+            if fracs:
+                summary.setdefault(policy, []).append((fracs, ratios))
+                print(
+                    f"{policy:8s} | {name[:8]} {which} | {sum(fracs) / len(fracs):.3f} | "
+                    f"{min(fracs):.3f} | {min(ratios):.3f}"
+                )
+    print("\npolicy | mean frac of best | min frac | cases below torch | mean ratio vs torch")
+    for policy, cells in summary.items():
+        fr = [f for fs, _ in cells for f in fs]
+        ra = [r for _, rs in cells for r in rs]
+        print(
+            f"{policy:8s} | {sum(fr) / len(fr):.4f} | {min(fr):.3f} | "
+            f"{sum(r < 1 for r in ra)} of {len(ra)} | {sum(ra) / len(ra):.3f}"
+        )
 
 
 if __name__ == "__main__":

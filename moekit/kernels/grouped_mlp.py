@@ -37,6 +37,7 @@ from moekit.kernels.grouped_gemm import (
     _ragged_rows_at,
     _ragged_rows_desc,
     _split_small_experts,
+    routing_robust_tuning,
 )
 
 # activation codes (constexpr ACT); names as in moekit.reference.activations
@@ -515,11 +516,11 @@ def grouped_mlp_fc1(
     sms = device_sms(x)
     dummy = a_out
 
-    def launch(cfg: GemmConfig) -> None:
+    def launch(cfg: GemmConfig, offs: torch.Tensor = offsets) -> None:
         _launch(
             _grouped_mlp_fc1_kernel, (sms,),
             x, w1, h_out if h_out is not None else dummy, a_out,
-            probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
+            probs if probs is not None else dummy, b1 if b1 is not None else dummy, offs,
             R, H, F, E, interleave or F,
             x.stride(0), w1.stride(0), w1.stride(1),
             h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
@@ -536,7 +537,7 @@ def grouped_mlp_fc1(
         cands = _fit_all(_FC1_GATED_CANDIDATES if gated else _FC1_CANDIDATES, interleave)
         key = (H, F, E, gated, interleave, act, h_out is not None, probs is not None)
         config = _pick_config(
-            "mlp_fc1", key, x.dtype, x.device, launch, cands,
+            "mlp_fc1", key, x.dtype, x.device, routing_robust_tuning(launch, R, E, offsets), cands,
             _fit(_INTERPRET_CONFIG, interleave),
         )  # fmt: skip
     launch(config)
@@ -571,14 +572,14 @@ def grouped_mlp_dact(
     E, _, F = w2.shape
     sms = device_sms(dy)
 
-    def launch(cfg: GemmConfig) -> torch.Tensor | None:
+    def launch(cfg: GemmConfig, offs: torch.Tensor = offsets) -> torch.Tensor | None:
         num_n = triton.cdiv(F, cfg.block_n)
         part = part_out[:num_n] if probs is not None else None
         _launch(
             _grouped_mlp_dact_kernel, (sms,),
             dy, w2, h, probs if probs is not None else dh_out, dh_out,
             part if part is not None else dh_out, a_out if a_out is not None else dh_out,
-            offsets,
+            offs,
             R, H, F, E, interleave or F,
             dy.stride(0), w2.stride(0), w2.stride(1), h.stride(0), dh_out.stride(0),
             part.stride(0) if part is not None else 0,
@@ -595,7 +596,7 @@ def grouped_mlp_dact(
     if config is None:
         key = (H, F, E, gated, interleave, act, a_out is not None, probs is not None)
         config = _pick_config(
-            "mlp_dact", key, dy.dtype, dy.device, launch,
+            "mlp_dact", key, dy.dtype, dy.device, routing_robust_tuning(launch, R, E, offsets),
             _fit_all(_DACT_CANDIDATES, interleave), _fit(_INTERPRET_CONFIG, interleave),
         )  # fmt: skip
     return launch(config)

@@ -162,6 +162,78 @@ def test_flattened_ragged_k_loop(counts, M):
                         calls=1)  # fmt: skip
 
 
+@pytest.mark.parametrize("E", [1, 2, 8, 20, 128, 129])
+def test_random_skewed_routing(E):
+    """The ragged-M autotuner's second routing: ends at T, non-decreasing, skewed (the
+    largest expert well above the mean), the same on every call, and drawn without touching
+    the caller's random state."""
+    T = 10_000
+    like = torch.zeros(1, dtype=torch.int32)
+    state = torch.get_rng_state()
+    ends = K._random_skewed_offsets(T, E, like)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert torch.equal(ends, K._random_skewed_offsets(T, E, like))
+    assert ends.dtype == torch.int32 and ends.shape == (E,) and int(ends[-1]) == T
+    counts = ends.diff(prepend=ends[:1] * 0)
+    assert torch.all(counts >= 0)
+    if E >= 20:
+        assert int(counts.max()) > 2.5 * T / E
+
+
+def test_routing_robust_tuning_times_both_routings():
+    """The tuner's launches: the candidate on the call's routing, and on a fixed other one
+    (built once)."""
+    seen = []
+    offsets = torch.tensor([3, 3, 10], dtype=torch.int32)
+    own, other = K.routing_robust_tuning(
+        lambda cfg, offs=offsets: seen.append((cfg, offs)), 10, 3, offsets
+    )
+    own("cfg")
+    other("cfg")
+    other("cfg2")
+    assert [c for c, _ in seen] == ["cfg", "cfg", "cfg2"]
+    assert seen[0][1] is offsets
+    assert seen[1][1] is seen[2][1]  # built once
+    assert torch.equal(seen[1][1], K._random_skewed_offsets(10, 3, offsets))
+
+
+@pytest.mark.parametrize(
+    ("speedups", "expect"),
+    [
+        ((1.0, 1.0), "default"),  # ties keep the default
+        ((1.10, 1.10), "other"),  # > 5% faster on both routings
+        ((1.20, 1.03), "default"),  # faster in total, but not by 5% on the second routing
+        ((1.03, 1.20), "default"),
+        ((0.8, 0.8), "default"),
+    ],
+)
+def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, expect):
+    """``_pick_config`` with one launch per routing: a candidate replaces the default only if
+    it is faster by more than ``keep_default_within`` on every routing (timings faked)."""
+    default = K.GemmConfig(128, 256, 64, flatten=True, expert_groups=True)
+    other = K.GemmConfig(128, 256, 64)
+    times = {(default, 0): 1.0, (default, 1): 2.0}
+    times[(other, 0)], times[(other, 1)] = 1.0 / speedups[0], 2.0 / speedups[1]
+
+    def timed(routing):
+        return lambda cfg: ("timed", cfg, routing)
+
+    def fake_bench(fn, **_):
+        _, cfg, routing = fn()
+        return times[(cfg, routing)]
+
+    monkeypatch.setattr(K, "interpret_mode", lambda: False)
+    monkeypatch.setattr(K, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(K.triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(K, "_tuned", {})
+    got = K._pick_config(
+        "m", ("test", speedups), torch.bfloat16, torch.device("cuda"), (timed(0), timed(1)),
+        (default, other), keep_default_within=0.05,
+    )  # fmt: skip
+    assert got == (default if expect == "default" else other)
+
+
 @pytest.mark.parametrize("group_m", [1, 2, 8])
 def test_expert_grouped_ragged_m_schedule(group_m):
     """Interpreter/CPU: with ``expert_groups`` the ragged-M schedule locates each tile's expert
