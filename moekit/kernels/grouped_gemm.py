@@ -863,6 +863,11 @@ def _skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
     proportional to 1 / (e + 1); the largest takes 1/H_E of the rows: 28% at E = 20)."""
     # Built on the device: no host-to-device copy (and so no sync) during tuning.
     share = 1.0 / torch.arange(1, E + 1, dtype=torch.float64, device=like.device)
+    return _ends_from_shares(share, T, like)
+
+
+def _ends_from_shares(share: torch.Tensor, T: int, like: torch.Tensor) -> torch.Tensor:
+    """Cumulative end offsets (``like``'s dtype) of T rows split in proportion to ``share``."""
     ends = torch.floor(torch.cumsum(share, 0) / share.sum() * T)
     ends[-1:].fill_(T)  # a fill kernel: `ends[-1] = T` would copy a host scalar (a sync)
     return ends.to(like.dtype)
@@ -877,9 +882,7 @@ def _random_skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
     g.manual_seed(E)
     u = torch.rand(2, E, generator=g, device=like.device, dtype=torch.float64)
     share = -torch.log1p(-u[0]) * u[1] ** (1 / 0.6)
-    ends = torch.floor(torch.cumsum(share, 0) / share.sum() * T)
-    ends[-1:].fill_(T)  # a fill kernel: `ends[-1] = T` would copy a host scalar (a sync)
-    return ends.to(like.dtype)
+    return _ends_from_shares(share, T, like)
 
 
 def grouped_mm_ragged_k(
