@@ -56,19 +56,27 @@ def host_us(fn, n: int, cycles_per_ms: float) -> float:
     return dt / n * 1e6
 
 
-def print_host_profile(fn, cycles_per_ms: float, sleep_ms: int, sorts) -> None:
-    """cProfile of 30 calls of ``fn`` behind ``sleep_ms`` of GPU work, printed once per
-    (sort key, rows) in ``sorts``."""
+def print_host_profile(fn, cycles_per_ms: float, sleep_ms: int, sorts, calls: int = 30) -> None:
+    """cProfile of ``calls`` calls of ``fn`` behind ``sleep_ms`` of GPU work: for each (sort key
+    "tottime" or "cumtime", rows) in ``sorts``, the top functions in µs per call of ``fn``
+    (cProfile's own overhead included, so read them as shares, not absolute costs)."""
     torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
     prof = cProfile.Profile()
     prof.enable()
-    for _ in range(30):
+    for _ in range(calls):
         fn()
     prof.disable()
     torch.cuda.synchronize()
-    st = pstats.Stats(prof)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, ncalls, tottime, cumtime, ..)
     for key, rows in sorts:
-        st.sort_stats(key).print_stats(rows)
+        col = 2 if key == "tottime" else 3
+        print(f"  by {key}: µs per call   own   cumulative   calls per call   function")
+        ranked = sorted(stats.items(), key=lambda kv: -kv[1][col])[:rows]
+        for (file, line, name), (_, nc, tt, ct, _) in ranked:
+            where = f"{os.path.basename(file)}:{line}({name})" if line else name
+            print(
+                f"  {1e6 * tt / calls:24.1f} {1e6 * ct / calls:12.1f} {nc / calls:16.1f}   {where}"
+            )
 
 
 def main() -> None:
@@ -90,6 +98,21 @@ def main() -> None:
     y = torch.empty(R, H, device=dev, dtype=dt)
     buf = torch.zeros(1024, device=dev)
 
+    def torch_composition():  # the benchmark's contender (a)
+        hh = torch._grouped_mm(x, w1.transpose(1, 2), offs=off)
+        g, u = hh.chunk(2, -1)
+        return torch._grouped_mm(
+            (torch.nn.functional.silu(g) * u * p[:, None]).to(dt), w2.transpose(1, 2), offs=off
+        )
+
+    def on_this_thread(fn):
+        # Backward on the calling thread instead of autograd's CUDA device thread.
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                return fn()
+
+        return run
+
     def fwd_then_direct_backward():
         # The backward body called on this thread: no hand-off to autograd's device thread.
         out = grouped_mlp(x, off, w1, w2, p)
@@ -99,10 +122,20 @@ def main() -> None:
         "fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
             grouped_mlp(x, off, w1, w2, p), ins, dy
         ),
+        "fwd+bwd, bwd on this thread": on_this_thread(
+            lambda: torch.autograd.grad(grouped_mlp(x, off, w1, w2, p), ins, dy)
+        ),
+        "(a) fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(torch_composition(), ins, dy),
+        "(a) fwd+bwd, bwd on this thread": on_this_thread(
+            lambda: torch.autograd.grad(torch_composition(), ins, dy)
+        ),
         "fwd + backward body, direct": fwd_then_direct_backward,
         "forward only": lambda: grouped_mlp(x, off, w1, w2, p),
         "autograd floor (no kernels)": lambda: torch.autograd.grad(
             _AutogradFloor.apply(x, w1, w2, p), (x,), dy
+        ),
+        "floor, bwd on this thread": on_this_thread(
+            lambda: torch.autograd.grad(_AutogradFloor.apply(x, w1, w2, p), (x,), dy)
         ),
         "forward, no grad": lambda: grouped_mlp(x.detach(), off, w1.detach(), w2.detach(), p),
         "fc1 launcher (Triton path)": lambda: M.grouped_mlp_fc1(
@@ -116,12 +149,15 @@ def main() -> None:
         "torch add": lambda: buf.add(1.0),
     }
     print(f"host µs per call (GPU kept busy), R={R} E={E} H={H} F={F}")
-    for name, fn in rows.items():
-        with torch.no_grad() if "launcher" in name else torch.enable_grad():
-            print(f"  {name:28s} {host_us(fn, 50, cpm):8.1f}")
+    for rnd in range(2):  # twice: the lent hosts' speed drifts
+        print(f" round {rnd + 1}")
+        for name, fn in rows.items():
+            with torch.no_grad() if "launcher" in name else torch.enable_grad():
+                print(f"  {name:32s} {host_us(fn, 30, cpm):8.1f}")
 
+    # With backward on this thread cProfile sees the backward's Python too.
     print_host_profile(
-        rows["fwd+bwd (autograd.grad)"], cpm, 800, (("tottime", 28), ("cumulative", 25))
+        rows["fwd+bwd, bwd on this thread"], cpm, 800, (("tottime", 35), ("cumtime", 30))
     )
 
 

@@ -25,6 +25,8 @@ import contextvars
 import inspect
 import itertools
 from collections.abc import Iterator, Sequence
+from functools import reduce
+from operator import or_
 
 import torch
 from triton import knobs
@@ -161,14 +163,12 @@ class LaunchReplay:
         if calls is None:
             return False
         ptrs = [0 if t is None else t.data_ptr() for t in roles]
-        acc = 0
-        for p in ptrs:
-            acc |= p
         dev = self._device
-        if acc & 15 or _hooks_installed() or torch._C._cuda_getDevice() != dev:
+        if reduce(or_, ptrs, 0) & 15 or _hooks_installed() or torch._C._cuda_getDevice() != dev:
             return False
         stream = torch._C._cuda_getCurrentRawStream(dev)
-        # One scratch block serves every launch: they run in order on this stream.
+        # One scratch block serves every launch: they run in order on this stream. (Held until
+        # they are issued: under capture it is a fresh block that must not be handed out again.)
         scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
         scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
         counter = None
@@ -187,7 +187,7 @@ class LaunchReplay:
                 g[0], g[1], g[2], stream, fn, coop, pdl, scratch if c.scratch else None, None,
                 packed, None, None, None, *args,
             )  # fmt: skip
-        del counter
+        del counter, scratch_buf
         return True
 
     @contextlib.contextmanager

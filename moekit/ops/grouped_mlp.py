@@ -44,6 +44,12 @@ __all__ = ["grouped_mlp"]
 
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# Backward runs its launches as one replayed segment (one pass of replay overhead instead of
+# three) when freeing h and the activation before the gradients are allocated would save at
+# most this much memory; larger problems keep three segments and the lower peak (their GPU
+# time dwarfs the host time anyway).
+ONE_SEGMENT_MAX_BYTES = 64 << 20
+
 
 @dataclasses.dataclass(eq=False)
 class _Plan:
@@ -58,6 +64,7 @@ class _Plan:
     unfused_reason: str | None  # why the fused kernels cannot run this (None: they can)
     direct: bool  # every input already has TMA-friendly strides: no copies before the kernels
     part_rows: int  # rows of the dprobs-partials buffer (see grouped_mlp_dact)
+    one_segment: bool  # backward: all gradients allocated first, launches replayed as one
     fwd: LaunchReplay = dataclasses.field(default_factory=LaunchReplay)
     # backward configuration (needs_input_grad, dy strides) -> one LaunchReplay per segment
     bwd: dict = dataclasses.field(default_factory=dict)
@@ -135,7 +142,10 @@ class _GroupedMLPFn(torch.autograd.Function):
         E, W1, _ = w1.shape
         F_ = w2.shape[2]
         dev, dt = x.device, x.dtype
-        dy = _unit_rows(grad.to(dt))
+        if grad.dtype != dt:
+            grad = grad.to(dt)
+        # (H * itemsize is a multiple of 16 on this path: a contiguous grad is TMA-ready.)
+        dy = grad if grad.is_contiguous() and not grad.data_ptr() & 15 else _unit_rows(grad)
         dx = dw1 = dw2 = dp = db1 = db2 = None
         if R == 0:
             dx = torch.zeros_like(x) if need_x else None
@@ -148,12 +158,15 @@ class _GroupedMLPFn(torch.autograd.Function):
                 db2 = torch.zeros(E, H, device=dev, dtype=ctx.bias_dtypes[1])
             return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
-        # Three launch segments, so that h and the activation are freed between them exactly
-        # as early as before (each segment is replayed as a unit once recorded).
         bkey = (needs, dy.stride())
         seg = plan.bwd.get(bkey)
         if seg is None:
             seg = plan.bwd[bkey] = (LaunchReplay(), LaunchReplay(), LaunchReplay())
+        # Large problems run three launch segments, so that h and the activation are freed
+        # before the weight and input gradients are allocated in their place; small ones (where
+        # host time matters and that memory does not) allocate everything first and run the
+        # five launches as one replayed segment.
+        one = plan.one_segment
 
         # 1. fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
         dh = torch.empty(R, W1, device=dev, dtype=dt)
@@ -161,48 +174,37 @@ class _GroupedMLPFn(torch.autograd.Function):
         part = None
         if probs is not None:
             part = torch.empty(plan.part_rows, R, device=dev, dtype=torch.float32)
-        dp2 = torch.empty(1, R, device=dev, dtype=probs.dtype) if need_p else None
+        dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
 
         def dact():
             used = _mlp.grouped_mlp_dact(
                 dy, w2, offsets, h, probs, dh, a_re, part, **plan.act_kwargs
             )
             if need_p:
-                _mlp.segment_colsum(used, None, dp2)
-
-        run_or_record(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp2), dact)
-        dp = dp2.view(R) if need_p else None
-        part = None  # scratch: released before the weight gradients are allocated
-        _release(h)
+                _mlp.segment_colsum(used, None, dp.view(1, R))
 
         # 2. fc2 wgrad (into w2.main_grad when present)
-        if need_w2:
-            act_out = a_re if plan.recompute else a
-            target2 = mg2
-            if mg2 is None:
-                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+        act_out = (a_re if plan.recompute else a) if need_w2 else None
+        target2 = mg2
 
-            def wgrad2():
-                _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
-
-            run_or_record(seg[1], (dy, offsets, act_out, target2), wgrad2)
-            _release(act_out)
-            act_out = None
-        # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
-        a_re = None
+        def wgrad2():
+            _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
 
         # 3. fc1 dgrad, fc1 wgrad, bias gradients
-        if need_x:
-            dx = torch.empty(R, H, device=dev, dtype=dt)
         target1 = None
-        if need_w1:
-            target1 = mg1
-            if mg1 is None:
-                target1 = dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
-        if need_b1:
-            db1 = torch.empty(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
-        if need_b2:
-            db2 = torch.empty(E, H, device=dev, dtype=ctx.bias_dtypes[1])
+
+        def alloc_fc1_grads():
+            nonlocal dx, dw1, target1, db1, db2
+            if need_x:
+                dx = torch.empty(R, H, device=dev, dtype=dt)
+            if need_w1:
+                target1 = mg1
+                if mg1 is None:
+                    target1 = dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
+            if need_b1:
+                db1 = torch.empty(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
+            if need_b2:
+                db2 = torch.empty(E, H, device=dev, dtype=ctx.bias_dtypes[1])
 
         def fc1_grads():
             if need_x:
@@ -214,6 +216,41 @@ class _GroupedMLPFn(torch.autograd.Function):
             if need_b2:
                 _mlp.segment_colsum(dy, offsets, db2)
 
+        if need_w2 and mg2 is None:
+            target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype) if one else None
+        if one:
+            alloc_fc1_grads()
+
+            def all_grads():
+                dact()
+                if need_w2:
+                    wgrad2()
+                fc1_grads()
+
+            # a is a role only when saved (with recompute, act_out is a_re, already a role)
+            a_role = None if plan.recompute else act_out
+            roles = (
+                dy, offsets, w2, h, probs, dh, a_re, part, dp, a_role, target2,
+                w1, x, dx, target1, db1, db2,
+            )  # fmt: skip
+            run_or_record(seg[0], roles, all_grads)
+            part = None
+            _release(h)
+            _release(act_out)
+            return dx, None, dw1, dw2, dp, db1, db2, None, None, None
+
+        run_or_record(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp), dact)
+        part = None  # scratch: released before the weight gradients are allocated
+        _release(h)
+        if need_w2:
+            if mg2 is None:
+                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+            run_or_record(seg[1], (dy, offsets, act_out, target2), wgrad2)
+            _release(act_out)
+            act_out = None
+        # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
+        a_re = None
+        alloc_fc1_grads()
         roles = (dh, offsets, w1, x, dx, target1, db1, db2, dy)
         run_or_record(seg[2], roles, fc1_grads)
         return dx, None, dw1, dw2, dp, db1, db2, None, None, None
@@ -453,9 +490,12 @@ def _make_plan(
         all(_tma_strides(t) for t in (x, w1, w2, b1, b2) if t is not None)
         and (probs is None or probs.stride(0) == 1)
     )  # fmt: skip
+    # What backward holds longer when it allocates every gradient before its first launch:
+    # the pre-activation h and the activation (saved or recomputed).
+    held = R * (W1 + F_) * x.element_size()
     return _Plan(
         act, glu_interleave, bool(recompute_activation), for_backward, reason, direct,
-        _mlp.dact_partial_rows(F_, glu_interleave),
+        _mlp.dact_partial_rows(F_, glu_interleave), held <= ONE_SEGMENT_MAX_BYTES,
     )  # fmt: skip
 
 

@@ -91,8 +91,17 @@ def test_interleaved_gate_up_layout(act):
     _check([9, 22, 0, 17], 32, 64, act, inter=32, dtype=torch.float16)
 
 
+@pytest.fixture(params=["one", "three"])
+def segments(request, monkeypatch):
+    """Backward's launches as one segment (small problems) or as three (large ones, which free
+    h and the activation before allocating the gradients): forced by the size threshold."""
+    if request.param == "three":
+        monkeypatch.setattr(_plans_module(), "ONE_SEGMENT_MAX_BYTES", -1)
+    return request.param
+
+
 @pytest.mark.parametrize("rec", [False, True])
-def test_bias_and_recompute(rec):
+def test_bias_and_recompute(rec, segments):
     _check([20, 0, 37, 10], 32, 48, "swiglu", bias=True, rec=rec)
     _check([5, 40, 3], 16, 32, "gelu", bias=True, rec=rec, dtype=torch.float16)
 
@@ -159,7 +168,7 @@ def test_noncontiguous_inputs():
 
 
 @pytest.mark.parametrize("rec", [False, True])
-def test_backward_twice_through_one_graph_is_a_clear_error(rec, interpret):
+def test_backward_twice_through_one_graph_is_a_clear_error(rec, interpret, segments):
     if not interpret:
         pytest.skip("a property of the fused path (the CPU composition keeps its activations)")
     # backward frees the saved activations as soon as it has used them (memory), so a second
@@ -171,7 +180,7 @@ def test_backward_twice_through_one_graph_is_a_clear_error(rec, interpret):
         y.sum().backward()
 
 
-def test_main_grad_accumulates_in_place():
+def test_main_grad_accumulates_in_place(segments):
     counts = [12, 0, 20]
     x, w1, w2, p, _, _ = _make(sum(counts), 3, 32, 16, "swiglu")
     off = _offsets(counts)
@@ -270,7 +279,7 @@ def _plans_module():
     [("swiglu", None, False, False, True), ("geglu", 64, True, True, True),
      ("relu2", None, False, False, False), ("clamped_swiglu", None, True, False, False)],
 )  # fmt: skip
-def test_gpu_replayed_launches_match_reference(act, inter, bias, rec, probs):
+def test_gpu_replayed_launches_match_reference(act, inter, bias, rec, probs, segments):
     """From the third call of one static configuration on, the op replays its recorded
     launches with only the pointers swapped: every call, on fresh tensors and a fresh routing,
     must still match the reference, and the replays must actually be in use."""
@@ -283,8 +292,10 @@ def test_gpu_replayed_launches_match_reference(act, inter, bias, rec, probs):
                dtype=torch.bfloat16, device="cuda", tol=2e-2)  # fmt: skip
     (plan,) = mod._PLANS.values()
     assert plan.fwd.ready
-    (segments,) = plan.bwd.values()
-    assert all(s.ready for s in segments)
+    assert plan.one_segment == (segments == "one")
+    (replays,) = plan.bwd.values()
+    used = replays[:1] if plan.one_segment else replays
+    assert all(r.ready for r in used)
 
 
 @pytest.mark.gpu
