@@ -21,6 +21,9 @@ What one run measures, in this order:
    keeps its best (the host's speed drifts). Kernel launches per call at
    this shape are counted afterwards with torch.profiler. If the sleep ended before the last call was
    enqueued (the op synchronised with the GPU, or the sleep was too short) the number is flagged.
+   Each contender is timed twice per round: with autograd's default, which runs the backward of
+   CUDA tensors on its per-device thread while the caller waits, and with
+   ``torch.autograd.set_multithreading_enabled(False)``, which runs it on the caller's thread.
    Targets: moekit ≤ 0.5 × torch and ≤ 100 µs.
 3. For every shape (skewed gamma routing, at least one idle expert), GPU time of forward +
    backward, median of ``triton.testing.do_bench``, contenders timed in alternating rounds (best
