@@ -38,8 +38,10 @@ What one run measures, in this order:
    included) of one forward + backward, counted with torch.profiler.
 4. CUDA-graph replay at the host-overhead shape: one forward + backward (autograd.grad on static
    inputs) captured per contender, then host µs per replay (same sleep method) and GPU µs per
-   replay (do_bench of replay). Last, because a failed capture can leave CUDA state (the RNG)
-   unusable; a contender whose capture fails gets NaN.
+   replay (do_bench of replay). Then the forward through ``torch.cuda.make_graphed_callables``
+   used like an eager op (inputs copied into the static ones, forward and backward graphs
+   replayed through autograd): host µs per forward + backward. Last, because a failed capture
+   can leave CUDA state (the RNG) unusable; a contender whose capture fails gets NaN.
 
 Every contender of every shape is wrapped: a failure (out of memory, an unsupported case) prints
 its error and records NaN. ``--budget-s`` stops starting new shapes once the run has lasted that
@@ -211,10 +213,30 @@ def make_steps(counts, offsets, x, w1, w2, probs, dy, names):
         "torch_grouped_mm": torch_grouped_mm,
         "loop": loop,
     }
+
+    def moekit_of(x_, o_, w1_, w2_, p_):
+        return grouped_mlp(x_, o_, w1_, w2_, p_)
+
+    def moekit_recompute_of(x_, o_, w1_, w2_, p_):
+        return grouped_mlp(x_, o_, w1_, w2_, p_, recompute_activation=True)
+
+    def torch_grouped_mm_of(x_, o_, w1_, w2_, p_):
+        h = torch._grouped_mm(x_, w1_.transpose(1, 2), offs=o_)
+        g, u = h.chunk(2, -1)
+        a = (F.silu(g) * u * p_[:, None]).to(x_.dtype)
+        return torch._grouped_mm(a, w2_.transpose(1, 2), offs=o_)
+
+    fwd_of = {  # the forward as a function of its inputs (for make_graphed_callables; CUDA)
+        "moekit": moekit_of,
+        "moekit_recompute": moekit_recompute_of,
+        "torch_grouped_mm": torch_grouped_mm_of,
+        "loop": None,
+    }
     steps = {}
     for n in names:
         steps[n] = lambda f=fwd[n]: torch.autograd.grad(f(), inputs, dy)
         steps[n].fwd = fwd[n]  # forward alone: what it keeps for backward (saved_mib)
+        steps[n].fwd_of = fwd_of[n]
     return steps
 
 
@@ -551,6 +573,38 @@ def run_graphs(names, timer, res, n, cycles_per_ms):
         gc.collect()
         with contextlib.suppress(Exception):
             torch.cuda.empty_cache()
+    # The same forward through torch.cuda.make_graphed_callables, used like an eager op: each
+    # call copies its inputs into the graph's static ones and replays the forward graph, and
+    # its backward (through autograd) replays the backward graph.
+    for c in order:
+        res[f"{c}_graphed_host_us"] = NAN
+        if steps[c].fwd_of is None:
+            continue
+        try:
+            graphed = torch.cuda.make_graphed_callables(
+                lambda x_, o_, w1_, w2_, p_, f=steps[c].fwd_of: f(x_, o_, w1_, w2_, p_),
+                (x, offsets, w1, w2, probs),
+            )
+            ins = (x, w1, w2, probs)
+
+            def step(g=graphed, ins=ins):
+                return torch.autograd.grad(g(x, offsets, w1, w2, probs), ins, dy)
+
+            us, covered = host_us_per_call(step, n, cycles_per_ms)
+            res[f"{c}_graphed_host_us"] = us
+            log(
+                f"  make_graphed_callables {c}: host {us:.1f} µs per forward + backward"
+                + ("" if covered else "  (GPU went idle during the loop)")
+            )
+            del graphed
+        except Exception as exc:
+            res["errors"][f"{c}_graphed"] = _err(exc)
+            log(f"  make_graphed_callables {c} FAILED: {_err(exc)}")
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+        gc.collect()
+        with contextlib.suppress(Exception):
+            torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -598,7 +652,8 @@ def host_table(host, names) -> list[str]:
         f" {host['calls']} calls"
         + (", in batches behind a GPU sleep):" if host.get("moekit_launches") else "):"),
         f"  {'contender':18s} {'launches':>8s} {'eager host µs':>13s} {'caller-thread':>13s}"
-        f" {'eager GPU µs':>12s} {'graph host µs':>13s} {'graph GPU µs':>12s}",
+        f" {'eager GPU µs':>12s} {'graph host µs':>13s} {'graph GPU µs':>12s}"
+        f" {'graphed callable host µs':>24s}",
     ]
     for c in names:
         flag = "" if host.get(f"{c}_host_covered", True) is not False else "  (host waited on GPU)"
@@ -607,7 +662,8 @@ def host_table(host, names) -> list[str]:
             f" {_f(host.get(f'{c}_host_us_caller_thread'), '.1f', 13)}"
             f" {_f(host.get(f'{c}_eager_gpu_us'), '.1f', 12)}"
             f" {_f(host.get(f'{c}_graph_host_us'), '.1f', 13)}"
-            f" {_f(host.get(f'{c}_graph_gpu_us'), '.1f', 12)}{flag}"
+            f" {_f(host.get(f'{c}_graph_gpu_us'), '.1f', 12)}"
+            f" {_f(host.get(f'{c}_graphed_host_us'), '.1f', 24)}{flag}"
         )
     lines += [
         f"  moekit / torch eager host time: {_f(host.get('host_ratio_moekit_vs_torch'), '.2f', 0)}"
@@ -667,7 +723,8 @@ def plot(rows, host, names, peak, path) -> None:
     ax.grid(axis="y", alpha=0.3)
 
     kinds = [("host_us", "eager, host"), ("host_us_caller_thread", "eager, host, bwd on caller"),
-             ("graph_host_us", "graph replay, host"), ("graph_gpu_us", "graph replay, GPU")]  # fmt: skip
+             ("graph_host_us", "graph replay, host"), ("graphed_host_us", "make_graphed_callables, host"),
+             ("graph_gpu_us", "graph replay, GPU")]  # fmt: skip
     hx = list(range(len(names)))
     wk = 0.8 / len(kinds)
     for i, (key, label) in enumerate(kinds):
