@@ -566,13 +566,8 @@ def run_graphs(names, timer, res, n, cycles_per_ms):
             )
             del graph, static_grads
         except Exception as exc:
-            res["errors"][f"{c}_graph"] = _err(exc)
-            log(f"  graph {c} FAILED: {_err(exc)}")
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize()
-        gc.collect()
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
+            _graph_failed(res, f"{c}_graph", f"graph {c}", exc)
+        _release_cached_memory()
     # The same forward through torch.cuda.make_graphed_callables, used like an eager op: each
     # call copies its inputs into the graph's static ones and replays the forward graph, and
     # its backward (through autograd) replays the backward graph.
@@ -582,8 +577,7 @@ def run_graphs(names, timer, res, n, cycles_per_ms):
             continue
         try:
             graphed = torch.cuda.make_graphed_callables(
-                lambda x_, o_, w1_, w2_, p_, f=steps[c].fwd_of: f(x_, o_, w1_, w2_, p_),
-                (x, offsets, w1, w2, probs),
+                steps[c].fwd_of, (x, offsets, w1, w2, probs)
             )
             ins = (x, w1, w2, probs)
 
@@ -598,13 +592,21 @@ def run_graphs(names, timer, res, n, cycles_per_ms):
             )
             del graphed
         except Exception as exc:
-            res["errors"][f"{c}_graphed"] = _err(exc)
-            log(f"  make_graphed_callables {c} FAILED: {_err(exc)}")
-            with contextlib.suppress(Exception):
-                torch.cuda.synchronize()
-        gc.collect()
-        with contextlib.suppress(Exception):
-            torch.cuda.empty_cache()
+            _graph_failed(res, f"{c}_graphed", f"make_graphed_callables {c}", exc)
+        _release_cached_memory()
+
+
+def _graph_failed(res, key: str, label: str, exc: BaseException) -> None:
+    res["errors"][key] = _err(exc)
+    log(f"  {label} FAILED: {_err(exc)}")
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()
+
+
+def _release_cached_memory() -> None:
+    gc.collect()
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------------------------------------

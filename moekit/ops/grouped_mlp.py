@@ -166,7 +166,6 @@ class _GroupedMLPFn(torch.autograd.Function):
         # before the weight and input gradients are allocated in their place; small ones (where
         # host time matters and that memory does not) allocate everything first and run the
         # five launches as one replayed segment.
-        one = plan.one_segment
 
         # 1. fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
         dh = torch.empty(R, W1, device=dev, dtype=dt)
@@ -186,6 +185,11 @@ class _GroupedMLPFn(torch.autograd.Function):
         # 2. fc2 wgrad (into w2.main_grad when present)
         act_out = (a_re if plan.recompute else a) if need_w2 else None
         target2 = mg2
+
+        def alloc_dw2():
+            nonlocal target2, dw2
+            if mg2 is None:
+                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
 
         def wgrad2():
             _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
@@ -216,9 +220,9 @@ class _GroupedMLPFn(torch.autograd.Function):
             if need_b2:
                 _mlp.segment_colsum(dy, offsets, db2)
 
-        if need_w2 and mg2 is None:
-            target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype) if one else None
-        if one:
+        if plan.one_segment:
+            if need_w2:
+                alloc_dw2()
             alloc_fc1_grads()
 
             def all_grads():
@@ -243,8 +247,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         part = None  # scratch: released before the weight gradients are allocated
         _release(h)
         if need_w2:
-            if mg2 is None:
-                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+            alloc_dw2()
             run_or_record(seg[1], (dy, offsets, act_out, target2), wgrad2)
             _release(act_out)
             act_out = None
