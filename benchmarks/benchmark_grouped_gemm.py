@@ -169,14 +169,14 @@ def sweep_configs(kind: str, dtype: torch.dtype, which: str) -> tuple:
     return K._candidates(kind, dtype)
 
 
-def sweep(names, dtype, peak, gen, which="candidates", passes=None) -> list[dict]:
+def sweep(names, dtype, peak, gen, which="candidates", passes=None, skewed=True) -> list[dict]:
     """Time every candidate tile config explicitly (the autotuner's search, made visible),
-    with torch._grouped_mm on the same operands for reference."""
+    with torch._grouped_mm on the same operands for reference (skewed or uniform routing)."""
     rows = []
     for name, T, E, H, F in SHAPES:
         if name not in names:
             continue
-        counts = routing_counts(T, E, True, gen)
+        counts = routing_counts(T, E, skewed, gen)
         offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
         x = torch.randn(T, H, device="cuda", dtype=dtype)
         h = torch.randn(T, F, device="cuda", dtype=dtype)
@@ -246,6 +246,9 @@ def main() -> None:
         help="candidates: the autotuner's lists; trial: those and TRIAL_CONFIGS",
     )
     parser.add_argument("--sweep-passes", default="", help="comma list of passes to sweep (all)")
+    parser.add_argument(
+        "--sweep-uniform", action="store_true", help="sweep on uniform routing (default: skewed)"
+    )
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     dtype = torch.bfloat16
@@ -258,7 +261,10 @@ def main() -> None:
 
     if args.sweep:
         passes = set(args.sweep_passes.split(",")) if args.sweep_passes else None
-        sweep_rows = sweep(set(args.sweep.split(",")), dtype, peak, gen, args.sweep_set, passes)
+        sweep_rows = sweep(
+            set(args.sweep.split(",")), dtype, peak, gen, args.sweep_set, passes,
+            skewed=not args.sweep_uniform,
+        )  # fmt: skip
         with open(os.path.join(args.out, "grouped_gemm_sweep.json"), "w") as f:
             json.dump(sweep_rows, f, indent=1)
     wanted = set(args.shapes.split(",")) if args.shapes else set()
