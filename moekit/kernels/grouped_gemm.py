@@ -540,6 +540,61 @@ def _ragged_k_flat_loop(
 
 
 @triton.jit
+def _ragged_k_dynamic_loop(
+    counter_ptr, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends,
+    M, N, num_m, num_n, per_expert, num_tiles, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
+    stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """Greedy list scheduling: a program takes the next tile (in decreasing-cost order) when
+    it is free, so long tiles never pile up on the programs a round-robin deal gives them to.
+    The next index is taken at the start of a tile, hiding the atomic's latency."""
+    tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+    while tile < num_tiles:
+        next_tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
+        _ragged_k_tile(
+            tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends,
+            M, N, num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
+            stride_c_n,
+            ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
+        )  # fmt: skip
+        tile = next_tile
+    # The last program out re-zeroes the counter for the next launch on this stream.
+    if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel") == NUM_PROGRAMS - 1:
+        tl.store(counter_ptr, 0)
+        tl.store(counter_ptr + 1, 0)
+
+
+@triton.jit
+def _ragged_k_static_deal_fits(
+    counts_by_rank, in_e, offs_e, per_expert,
+    NUM_PROGRAMS: tl.constexpr, BLOCK_K: tl.constexpr, SLACK_PCT: tl.constexpr,
+):  # fmt: skip
+    """Whether the flattened round-robin deal finishes within SLACK_PCT % of the greedy one.
+
+    Costs are K steps plus one per tile (its epilogue and pipeline turn-around). Tiles are
+    ranked by decreasing cost and dealt round-robin, so program 0 takes the costliest tile of
+    every round and carries the static deal's longest load. The greedy (dynamic) schedule
+    ends near the mean load, and never before the costliest tile. The slack is what the
+    flattened loop gains per step over the dynamic one (its next tile's loads overlap this
+    tile's epilogue): 7-8% on the uniform TE-seed wgrad (docs/grouped_gemm.md)."""
+    steps = tl.where(in_e, tl.cdiv(counts_by_rank, BLOCK_K), 0)
+    cost = tl.where(steps > 0, steps + 1, 0)
+    first = offs_e * per_expert
+    # tiles [first, first + per_expert) of each rank, those congruent to 0 mod NUM_PROGRAMS
+    ours = (first + per_expert + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
+        first + NUM_PROGRAMS - 1
+    ) // NUM_PROGRAMS
+    static_makespan = tl.sum(ours * cost, axis=0)
+    greedy_makespan = tl.maximum(
+        tl.cdiv(tl.sum(cost, axis=0) * per_expert, NUM_PROGRAMS), tl.max(cost, axis=0)
+    )
+    return static_makespan * 100 <= greedy_makespan * SLACK_PCT
+
+
+@triton.jit
 def _grouped_mm_ragged_k_kernel(
     # pointers
     a_ptr,  # [T, M] row-major: the operand is its transposed view a[M, T]
@@ -571,6 +626,7 @@ def _grouped_mm_ragged_k_kernel(
     WARP_SPEC: tl.constexpr,
     EPI_SUBTILE: tl.constexpr,
     DYNAMIC: tl.constexpr,  # tiles taken from an atomic counter instead of a round-robin deal
+    STATIC_SLACK_PCT: tl.constexpr,  # DYNAMIC and FLATTEN: see _ragged_k_static_deal_fits
 ):
     pid = tl.program_id(0)
     EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
@@ -604,28 +660,41 @@ def _grouped_mm_ragged_k_kernel(
     else:
         c_desc = a_desc  # unused placeholder: the epilogue stores through pointers
 
-    if DYNAMIC:
-        # Greedy list scheduling: a program takes the next tile (in decreasing-cost order) when
-        # it is free, so long tiles never pile up on the programs a round-robin deal gives them
-        # to. The next index is taken at the start of a tile, hiding the atomic's latency.
-        tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-        while tile < num_tiles:
-            next_tile = tl.atomic_add(counter_ptr, 1, sem="relaxed")
-            _ragged_k_tile(
-                tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends,
-                M, N, num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
-                stride_c_n,
-                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, C_TMA, EPI_SUBTILE, EPI_N,
+    counts_by_rank = (ranked >> 20).to(tl.int32)
+    if DYNAMIC and FLATTEN:
+        # Both schedules compiled; the routing picks one on the device (the same choice in
+        # every program, from the same offsets): the flattened static deal where it is
+        # balanced, the dynamic one where skew would leave a static deal's programs uneven.
+        if _ragged_k_static_deal_fits(
+            counts_by_rank, in_e, offs_e, per_expert, NUM_PROGRAMS, BLOCK_K, STATIC_SLACK_PCT
+        ):
+            _ragged_k_flat_loop(
+                pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, counts_by_rank,
+                offs_e, in_e, starts, ends, M, N, num_m, num_n, per_expert, num_tiles,
+                stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+                C_TMA, EPI_SUBTILE, EPI_N,
             )  # fmt: skip
-            tile = next_tile
-        # The last program out re-zeroes the counter for the next launch on this stream.
-        if tl.atomic_add(counter_ptr + 1, 1, sem="acq_rel") == NUM_PROGRAMS - 1:
-            tl.store(counter_ptr, 0)
-            tl.store(counter_ptr + 1, 0)
+        else:
+            _ragged_k_dynamic_loop(
+                counter_ptr, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e,
+                starts, ends, M, N, num_m, num_n, per_expert, num_tiles, stride_a_t,
+                stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+                C_TMA, EPI_SUBTILE, EPI_N,
+            )  # fmt: skip
+    elif DYNAMIC:
+        _ragged_k_dynamic_loop(
+            counter_ptr, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e,
+            starts, ends, M, N, num_m, num_n, per_expert, num_tiles, stride_a_t,
+            stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+            ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+            C_TMA, EPI_SUBTILE, EPI_N,
+        )  # fmt: skip
     elif FLATTEN:
         _ragged_k_flat_loop(
             pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order,
-            (ranked >> 20).to(tl.int32), offs_e, in_e, starts, ends, M, N, num_m, num_n,
+            counts_by_rank, offs_e, in_e, starts, ends, M, N, num_m, num_n,
             per_expert, num_tiles, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
             ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
             C_TMA, EPI_SUBTILE, EPI_N,
@@ -643,6 +712,10 @@ def _grouped_mm_ragged_k_kernel(
 # --------------------------------------------------------------------------------------------
 # configs
 # --------------------------------------------------------------------------------------------
+
+# Ragged K with ``dynamic`` and ``flatten`` both set: the static deal runs when its estimated
+# makespan is within this percentage of the greedy one's (see _ragged_k_static_deal_fits).
+STATIC_DEAL_SLACK_PCT = 106
 
 _INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, flatten=False)
 
@@ -690,6 +763,15 @@ _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, flatten=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True),
+    # Both: the routing picks the flattened static deal or the dynamic schedule on the device
+    # (see _ragged_k_static_deal_fits), so one config serves uniform and skewed routings.
+    GemmConfig(
+        128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, flatten=True, dynamic=True
+    ),
+    GemmConfig(
+        128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True, dynamic=True
+    ),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3, c_tma=False, flatten=True, dynamic=True),
 )
 _CANDIDATES_32 = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
@@ -699,10 +781,32 @@ _CANDIDATES_32 = (
 _tuned: dict[tuple, GemmConfig] = {}
 
 
+# Ragged-K defaults (no tuning, or CUDA-graph capture), by output dtype. Over the six benchmark
+# shapes' wgrads (uniform and skewed TE seed, skewed others; H100, interleaved rounds) the
+# routing-chosen schedule was the fastest or within 5% of it with a 16-bit output
+# (docs/grouped_gemm.md, session 12). With fp32 out the flattened static loop is slow (420
+# against 546-584 TFLOP/s on the uniform TE seed: the reduce-add of main_grad), so the
+# dynamic schedule serves there.
+_RAGGED_K_DEFAULT_16 = GemmConfig(
+    128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, flatten=True, dynamic=True
+)
+_RAGGED_K_DEFAULT_FP32_OUT = GemmConfig(
+    128, 256, 64, num_warps=8, num_stages=3, epilogue_subtile=True, dynamic=True
+)
+
+
 def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     if dtype == torch.float32:
         return _CANDIDATES_32
     return _RAGGED_M_CANDIDATES_16 if kind == "m" else _RAGGED_K_CANDIDATES_16
+
+
+def _ragged_k_candidates(dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[GemmConfig, ...]:
+    """The ragged-K candidates with the default for this output dtype first."""
+    if dtype == torch.float32:
+        return _CANDIDATES_32
+    first = _RAGGED_K_DEFAULT_FP32_OUT if out_dtype == torch.float32 else _RAGGED_K_DEFAULT_16
+    return (first, *(c for c in _RAGGED_K_CANDIDATES_16 if c != first))
 
 
 def _pick_config(
@@ -931,6 +1035,7 @@ def grouped_mm_ragged_k(
             WARP_SPEC=cfg.warp_specialize,
             EPI_SUBTILE=cfg.epilogue_subtile,
             DYNAMIC=cfg.dynamic,
+            STATIC_SLACK_PCT=STATIC_DEAL_SLACK_PCT,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip
@@ -950,6 +1055,13 @@ def grouped_mm_ragged_k(
             launch(cfg, scratch["t"], accumulate, scratch["skewed"])
 
         key = (M, N, E, out.dtype, accumulate)
-        config = _pick_config("k", key, a.dtype, a.device, tune_launch)
+        candidates = _ragged_k_candidates(a.dtype, out.dtype)
+        # As for ragged M, a candidate replaces the default only if more than 5% faster (here
+        # over both routings together): the tuner's short timings (20 ms per candidate) move
+        # by more than the margins between the top configs, and the 16-bit default was within
+        # 5% of the best on every routing measured (docs/grouped_gemm.md, session 12).
+        config = _pick_config(
+            "k", key, a.dtype, a.device, tune_launch, candidates, keep_default_within=0.05
+        )
     launch(config)
     return out

@@ -117,6 +117,60 @@ def test_gpu_dynamic_ragged_k_in_cuda_graph():
         assert err < 2e-2
 
 
+_TE_SEED_SKEWED = [25, 658, 3790, 9655, 0, 2170, 2136, 4922, 1911, 752,
+                   475, 2445, 303, 8224, 593, 941, 1, 2300, 398, 24861]  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_gpu_flattened_dynamic_ragged_k_schedules():
+    """The routing-chosen ragged-K schedule at the TE-seed wgrad size: eagerly, the uniform
+    routing takes the static deal and the skewed one the dynamic schedule (a counter started
+    past the last tile shows which); captured once in a CUDA graph, replays with either
+    routing switch schedules and stay right."""
+    from moekit.kernels._runtime import tile_counter
+
+    cfg = K._RAGGED_K_DEFAULT_16
+    assert cfg.flatten and cfg.dynamic
+    T, E = sum(_TE_SEED_SKEWED), len(_TE_SEED_SKEWED)
+    uniform = [T // E] * E
+    dy = torch.randn(T, 1024, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(T, 2048, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(E, 1024, 2048, dtype=torch.bfloat16, device="cuda")
+    for counts, schedule in ((uniform, "static"), (_TE_SEED_SKEWED, "dynamic")):
+        counter = tile_counter(dy.device)
+        counter[0] = 1 << 30  # past every tile: a dynamic run computes none
+        out.fill_(float("nan"))
+        K.grouped_mm_ragged_k(dy.t(), x, _offsets(counts, "cuda"), out, False, config=cfg)
+        taken = "dynamic" if int(counter[0]) == 0 else "static"
+        counter.zero_()
+        assert taken == schedule
+        assert bool(torch.isnan(out).any()) == (schedule == "dynamic")
+
+    offsets = _offsets(uniform, "cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)
+    for counts in (_TE_SEED_SKEWED, uniform, _TE_SEED_SKEWED):
+        offsets.copy_(_offsets(counts, "cuda"))
+        dy.copy_(torch.randn_like(dy))
+        graph.replay()
+        ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+        err = (out.double() - ref.double()).norm() / ref.double().norm()
+        assert err < 2e-2
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_ragged_k_default_by_output_dtype(out_dtype):
+    """The untuned ragged-K config (no autotuning, CUDA-graph capture) depends on the output:
+    the routing-chosen schedule for 16-bit outputs, the dynamic one for fp32 (whose flattened
+    static loop is slow); the candidates are the same set either way."""
+    cands = K._ragged_k_candidates(torch.bfloat16, out_dtype)
+    assert set(cands) == set(K._candidates("k", torch.bfloat16))
+    assert len(cands) == len(set(cands))
+    assert cands[0].dynamic and cands[0].flatten == (out_dtype != torch.float32)
+    assert K._ragged_k_candidates(torch.float32, out_dtype) == K._CANDIDATES_32
+
+
 def test_dynamic_schedule_counter_resets(monkeypatch):
     """Interpreter/CPU: the last program of a dynamically scheduled launch re-zeroes the shared
     counter, so consecutive launches reusing one counter (as launches on one CUDA stream do)
@@ -160,6 +214,68 @@ def test_flattened_ragged_k_loop(counts, M):
     for accumulate in (False, True):
         _check_ragged_k(cfg, counts, M, 64, torch.float16, "cpu", accumulate=accumulate,
                         calls=1)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "counts, static",
+    [
+        # 12 tiles of 3 K steps over 4 programs: the round-robin deal is exact
+        ([64, 64, 64, 64], True),
+        # 3 long tiles, then 15 short ones: round-robin gives program 0 a long tile and
+        # four short ones (17 steps) where the greedy schedule ends after 15
+        ([256, 32, 32, 32, 32, 32], False),
+        # mildly uneven: program 0 takes 18 steps against the greedy 17, within 6%
+        ([96, 96, 96, 96, 64, 64], True),
+    ],
+)
+def test_flattened_dynamic_ragged_k_picks_its_schedule(counts, static, monkeypatch):
+    """Interpreter/CPU: with ``flatten`` and ``dynamic`` both set, the kernel runs the
+    flattened static deal when the routing balances it and the dynamic schedule otherwise.
+    The tile counter starts past the last tile, so a dynamic run computes no tile (leaving
+    NaN) and re-zeroes the counter, while a static run never touches it."""
+    from moekit.config import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
+    counter = torch.tensor([10**6, 0], dtype=torch.int32)
+    monkeypatch.setattr(K, "tile_counter", lambda device: counter)
+    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True, dynamic=True)
+    E, M, N = len(counts), 96, 32  # 3 tiles per expert at the interpreter's 32 x 32 tile
+    offsets = _offsets(counts, "cpu")
+    dy = torch.randn(sum(counts), M, dtype=torch.float16)
+    x = torch.randn(sum(counts), N, dtype=torch.float16)
+    out = torch.full((E, M, N), float("nan"), dtype=torch.float16)
+    K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)
+    if static:
+        assert counter.tolist() == [10**6, 0]
+        ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
+        torch.testing.assert_close(out.float(), ref, rtol=2e-3, atol=2e-3)
+    else:
+        assert counter.tolist() == [0, 0]
+        assert torch.isnan(out).all()
+
+
+@pytest.mark.parametrize("slack_pct", [0, 10**6, K.STATIC_DEAL_SLACK_PCT])
+@pytest.mark.parametrize(
+    "counts", [[0, 40, 0, 3, 70, 0], [90, 0, 0, 0], [33, 31, 65, 2, 0, 17, 50], [0, 0, 0]]
+)
+def test_flattened_dynamic_ragged_k_either_schedule(counts, slack_pct, monkeypatch):
+    """Interpreter/CPU: both schedules of the ``flatten`` + ``dynamic`` kernel (forced by the
+    slack: 0 always takes the dynamic one, 10**6 the static one) against the reference, on
+    routings with empty experts, one expert with everything and experts ending within the
+    first tile; the counter is left zeroed for the next launch."""
+    from moekit.config import interpret_mode
+
+    if not interpret_mode():
+        pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
+    counter = torch.zeros(2, dtype=torch.int32)
+    monkeypatch.setattr(K, "tile_counter", lambda device: counter)
+    monkeypatch.setattr(K, "STATIC_DEAL_SLACK_PCT", slack_pct)
+    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True, dynamic=True)
+    for accumulate in (False, True):
+        _check_ragged_k(cfg, counts, 48, 64, torch.float16, "cpu", accumulate=accumulate,
+                        calls=1)  # fmt: skip
+        assert counter.tolist() == [0, 0]
 
 
 @pytest.mark.parametrize("E", [1, 2, 8, 20, 128, 129])
@@ -279,8 +395,7 @@ def test_gpu_flattened_ragged_k_te_seed_routing():
     first expert of 25 rows) at full size: it faulted on the H100 with an early flattened loop
     (then blamed on an idle expert's out-of-bounds K step; session 7 found the cause, a
     descriptor base outside the tensor, see tests/kernels/test_tma_bounds.py)."""
-    counts = [25, 658, 3790, 9655, 0, 2170, 2136, 4922, 1911, 752,
-              475, 2445, 303, 8224, 593, 941, 1, 2300, 398, 24861]  # fmt: skip
+    counts = _TE_SEED_SKEWED
     offsets = _offsets(counts, "cuda")
     T = sum(counts)
     dy = torch.randn(T, 1024, dtype=torch.bfloat16, device="cuda")
