@@ -581,7 +581,7 @@ def _ragged_k_static_deal_fits(
     flattened loop gains per step over the dynamic one (its next tile's loads overlap this
     tile's epilogue): 7-8% on the uniform TE-seed wgrad (docs/grouped_gemm.md)."""
     steps = tl.where(in_e, tl.cdiv(counts_by_rank, BLOCK_K), 0)
-    cost = tl.where(steps > 0, steps + 1, 0)
+    cost = tl.where(steps > 0, steps + 1, 0).to(tl.int64)  # sums of costs * tiles: int64
     first = offs_e * per_expert
     # tiles [first, first + per_expert) of each rank, those congruent to 0 mod NUM_PROGRAMS
     ours = (first + per_expert + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
