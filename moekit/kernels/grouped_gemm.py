@@ -661,41 +661,27 @@ def _grouped_mm_ragged_k_kernel(
         c_desc = a_desc  # unused placeholder: the epilogue stores through pointers
 
     counts_by_rank = (ranked >> 20).to(tl.int32)
+    run_static_deal = FLATTEN
     if DYNAMIC and FLATTEN:
         # Both schedules compiled; the routing picks one on the device (the same choice in
         # every program, from the same offsets): the flattened static deal where it is
         # balanced, the dynamic one where skew would leave a static deal's programs uneven.
-        if _ragged_k_static_deal_fits(
+        run_static_deal = _ragged_k_static_deal_fits(
             counts_by_rank, in_e, offs_e, per_expert, NUM_PROGRAMS, BLOCK_K, STATIC_SLACK_PCT
-        ):
-            _ragged_k_flat_loop(
-                pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, counts_by_rank,
-                offs_e, in_e, starts, ends, M, N, num_m, num_n, per_expert, num_tiles,
-                stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
-                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
-                C_TMA, EPI_SUBTILE, EPI_N,
-            )  # fmt: skip
-        else:
-            _ragged_k_dynamic_loop(
-                counter_ptr, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e,
-                starts, ends, M, N, num_m, num_n, per_expert, num_tiles, stride_a_t,
-                stride_b_t, stride_c_e, stride_c_m, stride_c_n,
-                ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
-                C_TMA, EPI_SUBTILE, EPI_N,
-            )  # fmt: skip
+        )
+    if run_static_deal:
+        _ragged_k_flat_loop(
+            pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order,
+            counts_by_rank, offs_e, in_e, starts, ends, M, N, num_m, num_n,
+            per_expert, num_tiles, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+            ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
+            C_TMA, EPI_SUBTILE, EPI_N,
+        )  # fmt: skip
     elif DYNAMIC:
         _ragged_k_dynamic_loop(
             counter_ptr, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e,
             starts, ends, M, N, num_m, num_n, per_expert, num_tiles, stride_a_t,
             stride_b_t, stride_c_e, stride_c_m, stride_c_n,
-            ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
-            C_TMA, EPI_SUBTILE, EPI_N,
-        )  # fmt: skip
-    elif FLATTEN:
-        _ragged_k_flat_loop(
-            pid, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order,
-            counts_by_rank, offs_e, in_e, starts, ends, M, N, num_m, num_n,
-            per_expert, num_tiles, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
             ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, NUM_PROGRAMS,
             C_TMA, EPI_SUBTILE, EPI_N,
         )  # fmt: skip
