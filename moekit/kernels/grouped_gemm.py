@@ -22,6 +22,7 @@ TMA engine zero-fills the K tail and no other expert's rows leak into the sum. P
 take tiles round-robin or (``GemmConfig.dynamic``) from a self-resetting atomic counter, which
 balances skewed routings. With ``GemmConfig.flatten`` a program runs all K steps of its static
 share as one pipelined loop, so its next tile's loads are in flight during this tile's epilogue.
+With both, the kernel picks one of the two from the routing, on the device.
 """
 
 from __future__ import annotations
@@ -579,7 +580,8 @@ def _ragged_k_static_deal_fits(
     every round and carries the static deal's longest load. The greedy (dynamic) schedule
     ends near the mean load, and never before the costliest tile. The slack is what the
     flattened loop gains per step over the dynamic one (its next tile's loads overlap this
-    tile's epilogue): 7-8% on the uniform TE-seed wgrad (docs/grouped_gemm.md)."""
+    tile's epilogue): 7-8% on the uniform TE-seed wgrad in one sweep, 2-4% in interleaved
+    rounds (docs/grouped_gemm.md, sessions 11 and 12)."""
     steps = tl.where(in_e, tl.cdiv(counts_by_rank, BLOCK_K), 0)
     cost = tl.where(steps > 0, steps + 1, 0).to(tl.int64)  # sums of costs * tiles: int64
     first = offs_e * per_expert
@@ -705,7 +707,8 @@ STATIC_DEAL_SLACK_PCT = 106
 
 _INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1, flatten=False)
 
-# Candidates for autotuning; the first is the heuristic default. Shared memory per stage is
+# Candidates for autotuning; the first is the heuristic default (ragged K: the default depends
+# on the output dtype, see _ragged_k_candidates). Shared memory per stage is
 # (BM + BN) * BK * 2 bytes, plus the BM * BN epilogue tile, which bounds the stage count.
 _RAGGED_M_CANDIDATES_16 = (
     # The default: expert bands with the flattened loop. Over three gamma routings of each
