@@ -6,7 +6,10 @@ ragged-M candidate and torch._grouped_mm on each, to see how much the ratio to t
 with the routing alone and whether one candidate is best throughout.
 
 python benchmarks/probe_ragged_m_routings.py [--draws 6] [--shapes deepseek_v3_ep8 ...]
-    [--cands 0,7,10]
+    [--cands 0,7,10] [--rounds 2]
+
+--rounds times the candidates in that many alternating-order rounds and keeps each one's best
+(the GPU's clock drifts as it heats).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=["deepseek_v3_ep8"])
     ap.add_argument("--passes", nargs="*", default=["fc1_fwd", "fc2_fwd", "fc1_dgrad"])
     ap.add_argument("--cands", default="", help="comma list of candidate indices (all)")
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     cands = G._candidates("m", torch.bfloat16)
     if args.cands:
@@ -59,16 +63,19 @@ def main() -> None:
                     counts = routing_counts(T, E, True, torch.Generator().manual_seed(draw))
                     offsets = torch.cumsum(counts, 0).to(torch.int32).cuda()
                 torch_tf = flops / bench(lambda: torch._grouped_mm(a, b, offs=offsets)) / 1e9
-                tfs = []
-                for cfg in cands:
-                    try:
-                        ms = bench(
-                            lambda c=cfg: G.grouped_mm_ragged_m(a, b, offsets, out, config=c)
-                        )
-                        tfs.append(flops / ms / 1e9)
-                    except Exception as exc:  # a candidate may not build
-                        print("candidate failed", cfg, str(exc)[:120])
-                        tfs.append(0.0)
+                tfs = [0.0] * len(cands)
+                for r in range(args.rounds):
+                    order = range(len(cands)) if r % 2 == 0 else reversed(range(len(cands)))
+                    for i in order:
+                        try:
+                            ms = bench(
+                                lambda c=cands[i]: G.grouped_mm_ragged_m(
+                                    a, b, offsets, out, config=c
+                                )
+                            )
+                            tfs[i] = max(tfs[i], flops / ms / 1e9)
+                        except Exception as exc:  # a candidate may not build
+                            print("candidate failed", cands[i], str(exc)[:120])
                 top = sorted(counts.tolist(), reverse=True)[:3]
                 idle = int((counts == 0).sum())
                 small = int(((counts > 0) & (counts < 128)).sum())

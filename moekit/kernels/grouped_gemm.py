@@ -195,6 +195,14 @@ def _split_small_experts(ends, m_tiles, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
+def _next_deal_start(pid, dealt, NUM_PROGRAMS: tl.constexpr):
+    """First tile of a follow-on tile loop for program ``pid`` when ``dealt`` tiles were dealt
+    round-robin before it: the deal continues where the last one stopped instead of restarting
+    at program 0, which would give the first programs one tile more in each loop."""
+    return (pid - dealt % NUM_PROGRAMS + NUM_PROGRAMS) % NUM_PROGRAMS
+
+
+@triton.jit
 def _store_c_tile(desc, p, q, off_n, c, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   EPI_SUBTILE: tl.constexpr):  # fmt: skip
     """TMA store of a [BM, BN] C tile at (p, q, off_n) of a 3-D descriptor, as two [BM, BN/2]
@@ -333,7 +341,8 @@ def _grouped_mm_ragged_m_kernel(
             _store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
                         BLOCK_M, BLOCK_N)  # fmt: skip
 
-    for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
+    small_start = _next_deal_start(pid, total_main * num_n, NUM_PROGRAMS)
+    for tile in tl.range(small_start, total_small * num_n, NUM_PROGRAMS):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
         )
@@ -349,7 +358,8 @@ def _grouped_mm_ragged_m_kernel(
     tail_start = tl.max(ends, axis=0)
     tail_tiles = tl.cdiv(T - tail_start, BLOCK_M) * num_n
     zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
-    for tile in tl.range(pid, tail_tiles, NUM_PROGRAMS):
+    tail_first = _next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
+    for tile in tl.range(tail_first, tail_tiles, NUM_PROGRAMS):
         c_desc.store([tail_start + (tile // num_n) * BLOCK_M, (tile % num_n) * BLOCK_N], zeros)
 
 

@@ -31,6 +31,7 @@ from moekit.kernels._replay import launch as _launch
 from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
 from moekit.kernels.grouped_gemm import (
     GemmConfig,
+    _next_deal_start,
     _pick_config,
     _ragged_m_schedule,
     _ragged_m_tile,
@@ -391,7 +392,8 @@ def _grouped_mlp_dact_kernel(
             stride_part, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M,
             BLOCK_N, BLOCK_K, SUBTILE, True,
         )  # fmt: skip
-    for tile in tl.range(pid, total_small * num_n, NUM_PROGRAMS):
+    small_start = _next_deal_start(pid, total_main * num_n, NUM_PROGRAMS)
+    for tile in tl.range(small_start, total_small * num_n, NUM_PROGRAMS):
         e, off_m, row_end, pid_n = _ragged_m_tile(
             tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
         )
@@ -407,7 +409,8 @@ def _grouped_mlp_dact_kernel(
         tail_start = tl.max(ends, axis=0)
         zeros = tl.zeros((BLOCK_M,), dtype=tl.float32)
         tail_tiles = tl.cdiv(R - tail_start, BLOCK_M) * num_n
-        for tile in tl.range(pid, tail_tiles, NUM_PROGRAMS):
+        tail_first = _next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
+        for tile in tl.range(tail_first, tail_tiles, NUM_PROGRAMS):
             rows = tail_start + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(dprobs_part_ptr + (tile % num_n) * stride_part + rows, zeros, mask=rows < R)
 
