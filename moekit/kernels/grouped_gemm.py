@@ -720,11 +720,20 @@ _INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1,
 # Candidates for autotuning; the first is the heuristic default (ragged K: the default depends
 # on the output dtype, see _ragged_k_candidates). Shared memory per stage is
 # (BM + BN) * BK * 2 bytes, plus the BM * BN epilogue tile, which bounds the stage count.
+# The ragged-M default where experts are small and K short (see _ragged_m_candidates): the
+# sub-tiled epilogue leaves room for a fourth stage. In an Nsight Compute profile of the Qwen3
+# fc1 GEMM the 3-stage config's warps mostly waited for operand tiles (docs/grouped_gemm.md,
+# session 13).
+_RAGGED_M_FINE_GRAINED = GemmConfig(
+    128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True,
+    expert_groups=True,
+)  # fmt: skip
 _RAGGED_M_CANDIDATES_16 = (
-    # The default: expert bands with the flattened loop. Over three gamma routings of each
-    # benchmark shape it was within 2.2% of the per-routing best on average and never below
-    # torch._grouped_mm, where the config tuned on another routing averaged 2.8% below the
-    # best and fell below torch in 6-12 of 108 cases (docs/grouped_gemm.md, session 10).
+    # The default (but see _ragged_m_candidates): expert bands with the flattened loop. Over
+    # three gamma routings of each benchmark shape it was within 2.2% of the per-routing best
+    # on average and never below torch._grouped_mm, where the config tuned on another routing
+    # averaged 2.8% below the best and fell below torch in 6-12 of 108 cases
+    # (docs/grouped_gemm.md, session 10).
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True, expert_groups=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, flatten=True),
@@ -735,16 +744,7 @@ _RAGGED_M_CANDIDATES_16 = (
     GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, expert_groups=True),
-    GemmConfig(
-        128,
-        256,
-        64,
-        num_warps=8,
-        num_stages=4,
-        epilogue_subtile=True,
-        flatten=True,
-        expert_groups=True,
-    ),
+    _RAGGED_M_FINE_GRAINED,
 )
 _RAGGED_K_CANDIDATES_16 = (
     GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
@@ -798,6 +798,19 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     if dtype == torch.float32:
         return _CANDIDATES_32
     return _RAGGED_M_CANDIDATES_16 if kind == "m" else _RAGGED_K_CANDIDATES_16
+
+
+def _ragged_m_candidates(dtype: torch.dtype, T: int, E: int, K: int) -> tuple[GemmConfig, ...]:
+    """The ragged-M candidates with the default for this static shape first.
+
+    With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config: over
+    three routings each (H100, interleaved rounds) it was 2-8% faster than the 3-stage one on
+    the Qwen3 and OLMoE passes and DeepSeek's fc2, and it lost up to 8% where experts are
+    larger or K longer (TE seed, Mixtral, the other DeepSeek passes, gpt-oss's dgrad)."""
+    cands = _candidates("m", dtype)
+    if dtype != torch.float32 and T <= 1024 * E and K <= 2048:
+        return (_RAGGED_M_FINE_GRAINED, *(c for c in cands if c != _RAGGED_M_FINE_GRAINED))
+    return cands
 
 
 def _ragged_k_candidates(dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[GemmConfig, ...]:
@@ -936,7 +949,10 @@ def grouped_mm_ragged_m(
     if config is None:
         key = (N, K, E, b_k_major, bias is not None)
         tune = routing_robust_tuning(launch, T, E, offsets)
-        config = _pick_config("m", key, a.dtype, a.device, tune, keep_default_within=0.05)
+        config = _pick_config(
+            "m", key, a.dtype, a.device, tune, _ragged_m_candidates(a.dtype, T, E, K),
+            keep_default_within=0.05,
+        )  # fmt: skip
     launch(config)
     return out
 

@@ -171,6 +171,29 @@ def test_ragged_k_default_by_output_dtype(out_dtype):
     assert K._ragged_k_candidates(torch.float32, out_dtype) == K._CANDIDATES_32
 
 
+@pytest.mark.parametrize(
+    "T, E, K_, fine",
+    [
+        (65536, 128, 2048, True),  # Qwen3 fc1: 512 rows per expert
+        (32768, 64, 1024, True),  # OLMoE fc2
+        (32768, 32, 2048, True),  # DeepSeek-V3 EP8 fc2: 1024 rows per expert
+        (32768, 32, 7168, False),  # DeepSeek-V3 EP8 fc1: K too long
+        (32768, 128, 2880, False),  # gpt-oss fc1
+        (66560, 20, 512, False),  # TE seed fc2: 3328 rows per expert
+        (16384, 8, 4096, False),  # Mixtral
+    ],
+)
+def test_ragged_m_default_by_shape(T, E, K_, fine):
+    """The 4-stage sub-tiled config leads the ragged-M candidates (the default without tuning
+    or under CUDA-graph capture, the tuner's prior otherwise) only for small experts and a
+    short K; the candidate set itself does not change."""
+    cands = K._ragged_m_candidates(torch.bfloat16, T, E, K_)
+    assert (cands[0] == K._RAGGED_M_FINE_GRAINED) == fine
+    assert set(cands) == set(K._candidates("m", torch.bfloat16))
+    assert len(cands) == len(K._candidates("m", torch.bfloat16))
+    assert K._ragged_m_candidates(torch.float32, T, E, K_) == K._CANDIDATES_32
+
+
 def test_dynamic_schedule_counter_resets(monkeypatch):
     """Interpreter/CPU: the last program of a dynamically scheduled launch re-zeroes the shared
     counter, so consecutive launches reusing one counter (as launches on one CUDA stream do)
