@@ -803,10 +803,11 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
 def _ragged_m_candidates(dtype: torch.dtype, T: int, E: int, K: int) -> tuple[GemmConfig, ...]:
     """The ragged-M candidates with the default for this static shape first.
 
-    With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config: over
-    three routings each (H100, interleaved rounds) it was 2-8% faster than the 3-stage one on
-    the Qwen3 and OLMoE passes and DeepSeek's fc2, and it lost up to 8% where experts are
-    larger or K longer (TE seed, Mixtral, the other DeepSeek passes, gpt-oss's dgrad)."""
+    With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config. Over
+    3-6 routings per pass (H100, interleaved rounds) it was on average 0.1-8.1% faster than
+    the 3-stage one on the Qwen3 and OLMoE passes and 1.9% on DeepSeek's fc2, and 0.5-5.3%
+    slower on most passes with larger experts or a longer K (TE seed fc1 and dgrad, Mixtral,
+    DeepSeek fc1 and dgrad, gpt-oss fc1 and dgrad)."""
     cands = _candidates("m", dtype)
     if dtype != torch.float32 and T <= 1024 * E and K <= 2048:
         return (_RAGGED_M_FINE_GRAINED, *(c for c in cands if c != _RAGGED_M_FINE_GRAINED))
