@@ -15,8 +15,7 @@ for who in moekit torch; do
   ncu -i "$rep.ncu-rep" --page details --section SpeedOfLight --section MemoryWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats > "$rep.txt" 2>&1 || true
   ncu -i "$rep.ncu-rep" --page raw --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum,\
-dram__bytes_write.sum,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
-sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_elapsed > "$rep.csv" 2>&1 || true
+dram__bytes_write.sum,lts__t_sector_hit_rate.pct > "$rep.csv" 2>&1 || true
   cut -c1-400 "$rep.csv" | grep -v "^==" | head -8
   python benchmarks/ncu_report_summary.py "$rep.ncu-rep" --top 25 || true
   grep -E "^  [A-Za-z_].*\(|Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|L2 Hit|L1/TEX Hit|Warp Cycles Per Issued|Registers Per|Shared Memory Config|Grid Size|Block Size" "$rep.txt" | head -60
