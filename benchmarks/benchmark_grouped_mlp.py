@@ -478,11 +478,40 @@ def host_us_per_call(
     return best, best_covered
 
 
+class AutogradFloor(torch.autograd.Function):
+    """One custom autograd op with the grouped MLP's inputs and outputs and no kernels: y
+    allocated forward, dx, dw1, dw2, dprobs backward. Its host time is what any custom op of
+    this signature pays for Function.apply, the engine's backward and the allocations, before
+    it launches anything: the floor under moekit's host time on the same machine."""
+
+    @staticmethod
+    def forward(ctx, x, offsets, w1, w2, probs):
+        ctx.saved_inputs = (x, w1, w2, probs)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w1, w2, p = ctx.saved_inputs
+        return (
+            torch.empty_like(x), None, torch.empty_like(w1), torch.empty_like(w2),
+            torch.empty_like(p),
+        )  # fmt: skip
+
+
+FLOOR = "autograd_floor"
+
+
 def run_host(shape, names, timer, device, n, cycles_per_ms):
-    """Eager host µs per forward + backward at the CPU-bound shape (and its launch counts)."""
+    """Eager host µs per forward + backward at the CPU-bound shape (and its launch counts), and
+    the same for ``AutogradFloor`` (row FLOOR), which launches nothing."""
     name, R, E, H, Fd = shape
     counts, offsets, x, w1, w2, probs, dy = make_inputs(R, E, H, Fd, False, device, 1234)
     steps = make_steps(counts, offsets, x, w1, w2, probs, dy, names)
+
+    steps[FLOOR] = lambda: torch.autograd.grad(
+        AutogradFloor.apply(x, offsets, w1, w2, probs), (x, w1, w2, probs), dy
+    )
+    names = [*names, FLOOR]
     res = {"shape": name, "R": R, "E": E, "H": H, "F": Fd, "calls": n, "errors": {}}
     for c in names:
         res[f"{c}_eager_gpu_us"], res[f"{c}_launches"] = NAN, None
@@ -657,7 +686,7 @@ def host_table(host, names) -> list[str]:
         f" {'eager GPU µs':>12s} {'graph host µs':>13s} {'graph GPU µs':>12s}"
         f" {'graphed callable host µs':>24s}",
     ]
-    for c in names:
+    for c in [*names, FLOOR] if f"{FLOOR}_host_us" in host else names:
         flag = "" if host.get(f"{c}_host_covered", True) is not False else "  (host waited on GPU)"
         lines.append(
             f"  {c:18s} {_f(host.get(f'{c}_launches'), 'd', 8)} {_f(host.get(f'{c}_host_us'), '.1f', 13)}"
@@ -673,6 +702,8 @@ def host_table(host, names) -> list[str]:
         "  with backward on the caller's thread (set_multithreading_enabled(False)): "
         f"{_f(host.get('host_ratio_moekit_vs_torch_caller_thread'), '.2f', 0)};"
         f" moekit {_f(host.get('moekit_host_us_caller_thread'), '.1f', 0)} µs",
+        f"  {FLOOR}: one custom autograd Function with these inputs and outputs, no kernels"
+        " (the floor of any such op on this host)",
     ]
     return lines
 

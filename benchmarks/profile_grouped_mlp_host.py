@@ -9,6 +9,7 @@ never waits on it), then prints a cProfile of whole calls sorted by own time.
 from __future__ import annotations
 
 import cProfile
+import importlib
 import os
 import pstats
 import sys
@@ -22,6 +23,9 @@ from benchmark_grouped_mlp import sleep_cycles_per_ms
 from moekit.kernels import grouped_gemm as G
 from moekit.kernels import grouped_mlp as M
 from moekit.ops import grouped_mlp
+
+# the module (moekit.ops.grouped_mlp the attribute is the function)
+mlp_op = importlib.import_module("moekit.ops.grouped_mlp")
 
 
 @triton.jit
@@ -118,10 +122,24 @@ def main() -> None:
         out = grouped_mlp(x, off, w1, w2, p)
         return type(out.grad_fn)._forward_cls.backward(out.grad_fn, dy)
 
+    def with_std_apply(fn):
+        # The same call through torch.autograd.Function.apply's Python wrapper instead of
+        # moekit.ops._apply.direct_apply (what the op did before session 14).
+        def run():
+            fast = mlp_op._apply_grouped_mlp
+            mlp_op._apply_grouped_mlp = mlp_op._GroupedMLPFn.apply
+            try:
+                return fn()
+            finally:
+                mlp_op._apply_grouped_mlp = fast
+
+        return run
+
+    fwd_bwd = lambda: torch.autograd.grad(grouped_mlp(x, off, w1, w2, p), ins, dy)
     rows = {
-        "fwd+bwd (autograd.grad)": lambda: torch.autograd.grad(
-            grouped_mlp(x, off, w1, w2, p), ins, dy
-        ),
+        "fwd+bwd (autograd.grad)": fwd_bwd,
+        "fwd+bwd, Function.apply": with_std_apply(fwd_bwd),
+        "fwd+bwd, bwd on this thread, Function.apply": on_this_thread(with_std_apply(fwd_bwd)),
         "fwd+bwd, bwd on this thread": on_this_thread(
             lambda: torch.autograd.grad(grouped_mlp(x, off, w1, w2, p), ins, dy)
         ),

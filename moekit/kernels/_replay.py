@@ -25,8 +25,6 @@ import contextvars
 import inspect
 import itertools
 from collections.abc import Iterator, Sequence
-from functools import reduce
-from operator import or_
 
 import torch
 from triton import knobs
@@ -130,6 +128,55 @@ def _build_call(rec, locate) -> _Call | None:
     return _Call(runner.launch, g, head, full, tuple(slots), scratch)
 
 
+def _issue_function(calls: Sequence[_Call]):
+    """One generated Python function that replays every recorded launch:
+    ``issue(roles, counter, stream, scratch) -> bool``.
+
+    It reads the pointer of each role some launch uses, returns False (nothing launched) when
+    one of them is not 16-byte aligned or a role recorded as a tensor is now None, and otherwise
+    calls each launch's C launcher with its fixed arguments bound by name and its pointers
+    written as ``role pointer + byte offset`` (``counter``: the tile counter's address). Written
+    out once per recording, so a replay costs one Python call per launch instead of a template
+    copy and a loop over its pointer slots, and no pointer reads of roles no launch uses."""
+    env: dict[str, object] = {}
+    used = sorted({role for c in calls for _, role, _ in c.slots if role != COUNTER_ROLE})
+    name = {role: f"p{role}" for role in used} | {COUNTER_ROLE: "c"}
+    lines = ["def issue(r, c, stream, s):"]
+    if used:
+        lines += [
+            "    try:",
+            *(f"        p{role} = r[{role}].data_ptr()" for role in used),
+            "    except AttributeError:",  # a role recorded as a tensor is None now
+            "        return False",
+            f"    if ({' | '.join(f'p{role}' for role in used)}) & 15:",
+            "        return False",
+        ]
+    for i, c in enumerate(calls):
+        fn, coop, pdl, packed = c.head
+        env[f"L{i}"], env[f"F{i}"], env[f"M{i}"] = c.c_launch, fn, packed
+        where = {pos: (role, delta) for pos, role, delta in c.slots}
+        args = []
+        for pos, value in enumerate(c.template):
+            if pos in where:
+                role, delta = where[pos]
+                args.append(f"{name[role]} + {delta}" if delta else name[role])
+            else:
+                env[f"a{i}_{pos}"] = value
+                args.append(f"a{i}_{pos}")
+        g = c.grid
+        # (grid, stream, function, cooperative, pdl, global scratch, profile scratch,
+        #  packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)
+        head = [
+            str(int(g[0])), str(int(g[1])), str(int(g[2])), "stream", f"F{i}",
+            str(int(coop)), str(int(pdl)), "s" if c.scratch else "None", "None", f"M{i}",
+            "None", "None", "None",
+        ]  # fmt: skip
+        lines.append(f"    L{i}({', '.join(head + args)})")
+    lines.append("    return True")
+    exec(compile("\n".join(lines), "<moekit launch replay>", "exec"), env)
+    return env["issue"]
+
+
 class LaunchReplay:
     """The launch sequence of one op for one static configuration.
 
@@ -143,10 +190,11 @@ class LaunchReplay:
     calls replay.
     """
 
-    __slots__ = ("_calls", "_counter", "_device", "_scratch", "_seen", "disabled")
+    __slots__ = ("_calls", "_counter", "_device", "_issue", "_scratch", "_seen", "disabled")
 
     def __init__(self) -> None:
         self._calls: tuple[_Call, ...] | None = None
+        self._issue = None  # _issue_function(self._calls)
         self._seen = 0
         self._device = -1
         self._scratch = 0  # bytes of global scratch the largest launch needs
@@ -162,9 +210,8 @@ class LaunchReplay:
         calls = self._calls
         if calls is None:
             return False
-        ptrs = [0 if t is None else t.data_ptr() for t in roles]
         dev = self._device
-        if reduce(or_, ptrs, 0) & 15 or _hooks_installed() or torch._C._cuda_getDevice() != dev:
+        if _hooks_installed() or torch._C._cuda_getDevice() != dev:
             return False
         stream = torch._C._cuda_getCurrentRawStream(dev)
         # One scratch block serves every launch: they run in order on this stream. (Held until
@@ -174,21 +221,10 @@ class LaunchReplay:
         counter = None
         if self._counter:  # the same per-stream counter the normal path would pass
             counter = tile_counter_buffer(dev, stream)  # held until the launches are issued
-            ptrs.append(counter.data_ptr())  # COUNTER_ROLE
-        for c in calls:
-            args = c.template.copy()
-            for pos, role, delta in c.slots:
-                args[pos] = ptrs[role] + delta
-            fn, coop, pdl, packed = c.head
-            g = c.grid
-            # (grid, stream, function, cooperative, pdl, global scratch, profile scratch,
-            #  packed metadata, launch metadata, enter hook, exit hook, *kernel arguments)
-            c.c_launch(
-                g[0], g[1], g[2], stream, fn, coop, pdl, scratch if c.scratch else None, None,
-                packed, None, None, None, *args,
-            )  # fmt: skip
+        counter_ptr = counter.data_ptr() if counter is not None else 0
+        issued = self._issue(roles, counter_ptr, stream, scratch)
         del counter, scratch_buf
-        return True
+        return issued
 
     @contextlib.contextmanager
     def recording(self, roles: Sequence[torch.Tensor | None]) -> Iterator[None]:
@@ -241,5 +277,6 @@ class LaunchReplay:
         self._device = torch.cuda.current_device()
         self._scratch = max((c.scratch[0] for c in calls if c.scratch), default=0)
         self._counter = any(role == COUNTER_ROLE for c in calls for _, role, _ in c.slots)
+        self._issue = _issue_function(calls)
         self._calls = tuple(calls)
         self.disabled = False

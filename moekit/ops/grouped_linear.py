@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from moekit.ops._apply import direct_apply
 from moekit.ops._validate import check_dtype, check_ndim, check_tensor
 from moekit.ops.grouped_gemm import (
     _ragged_k_op,
@@ -44,6 +45,9 @@ class _GroupedLinearFn(torch.autograd.Function):
         return dx, dw, None, dbias, None
 
 
+_apply_grouped_linear = direct_apply(_GroupedLinearFn)
+
+
 def grouped_linear(
     x: torch.Tensor,  # [T, K] rows grouped by expert
     weight: torch.Tensor,  # [E, N, K] (nn.Linear layout per expert)
@@ -71,4 +75,4 @@ def grouped_linear(
                 f"main_grad must match weight's shape {tuple(weight.shape)} on {weight.device}, "
                 f"got {tuple(main_grad.shape)} on {main_grad.device}"
             )
-    return _GroupedLinearFn.apply(x, weight, offsets, bias, main_grad)
+    return _apply_grouped_linear(x, weight, offsets, bias, main_grad)

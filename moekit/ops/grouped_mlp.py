@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from moekit.kernels import grouped_gemm as _gemm
 from moekit.kernels import grouped_mlp as _mlp
 from moekit.kernels._replay import LaunchReplay
+from moekit.ops._apply import direct_apply
 from moekit.ops._dispatch import use_triton
 from moekit.ops._launch_cache import run_or_record
 from moekit.ops._validate import (
@@ -259,6 +260,9 @@ class _GroupedMLPFn(torch.autograd.Function):
         return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
 
+_apply_grouped_mlp = direct_apply(_GroupedMLPFn)
+
+
 # --------------------------------------------------------------------------------------------
 # unfused composition (CPU path and fallback)
 # --------------------------------------------------------------------------------------------
@@ -371,7 +375,10 @@ def grouped_mlp(
         x, offsets, w1, w2, probs, b1, b2, mg1, mg2,
         activation, glu_interleave, recompute_activation,
     )  # fmt: skip
-    plan = _PLANS.get(key) if key is not None else None
+    try:
+        plan = _PLANS.get(key) if key is not None else None
+    except TypeError:  # an unhashable argument: no plan, the full checks say what is wrong
+        key = plan = None
     if plan is None:
         plan = _make_plan(
             x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute_activation
@@ -388,7 +395,7 @@ def grouped_mlp(
             probs = probs.contiguous() if probs is not None else None
             b1 = _unit_rows(b1) if b1 is not None else None
             b2 = _unit_rows(b2) if b2 is not None else None
-        return _GroupedMLPFn.apply(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
+        return _apply_grouped_mlp(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
     if reason and reason not in _warned:
         _warned.add(reason)
         warnings.warn(
@@ -414,17 +421,22 @@ def _sig(t: torch.Tensor | None) -> tuple | None:
 
 
 def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
-    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks)."""
+    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks).
+    Written out flat (no helper call per tensor): it runs on every call."""
     try:
         if not x.is_cuda:
             return None
-        key = (
-            _sig(x), _sig(offsets), _sig(w1), _sig(w2), _sig(probs), _sig(b1), _sig(b2),
-            _sig(mg1), _sig(mg2), activation, interleave, recompute, torch.is_grad_enabled(),
+        return (
+            x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
+            offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
+            w1.shape, w1.stride(), w1.dtype, w1.device, w1.requires_grad,
+            w2.shape, w2.stride(), w2.dtype, w2.device, w2.requires_grad,
+            None if probs is None else _sig(probs), None if b1 is None else _sig(b1),
+            None if b2 is None else _sig(b2), None if mg1 is None else _sig(mg1),
+            None if mg2 is None else _sig(mg2),
+            activation, interleave, recompute, torch.is_grad_enabled(),
         )  # fmt: skip
-        hash(key)
-        return key
-    except (AttributeError, TypeError):
+    except AttributeError:
         return None
 
 

@@ -57,6 +57,45 @@ def test_launch_records_only_inside_recording(interpret):
     torch.testing.assert_close(y, 2 * x)
 
 
+class _Ptr:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+def test_issue_function_passes_fixed_arguments_and_swapped_pointers():
+    seen = []
+
+    def fake_launcher(*args):
+        seen.append(args)
+
+    consts = ("swiglu", 0.5, float("inf"), None, True, 7)
+    calls = [
+        # template: pointers as 0 at positions 0 and 2 (roles 2 and 0), the rest fixed (any type)
+        _replay._Call(fake_launcher, (3, 1, 1), ("fn0", 0, 0, ("meta", 0)),
+                      [0, consts[0], 0, *consts[1:]], ((0, 2, 0), (2, 0, 256)), None),
+        _replay._Call(fake_launcher, (132, 2, 1), ("fn1", 1, 1, ("meta", 1)),
+                      [5, 0], ((1, _replay.COUNTER_ROLE, 0),), (4096, 128)),
+    ]  # fmt: skip
+    issue = _replay._issue_function(calls)
+    # role 1 is used by no launch: neither read nor checked (None, or misaligned, is fine)
+    roles = [_Ptr(1 << 20), _Ptr(3), _Ptr(3 << 20)]
+    assert issue(roles, 0xC0FFEE0, 77, 0xABC0)
+    head0 = (3, 1, 1, 77, "fn0", 0, 0, None, None, ("meta", 0), None, None, None)
+    assert seen[0] == (*head0, 3 << 20, "swiglu", (1 << 20) + 256, *consts[1:])
+    head1 = (132, 2, 1, 77, "fn1", 1, 1, 0xABC0, None, ("meta", 1), None, None, None)
+    assert seen[1] == (*head1, 5, 0xC0FFEE0)
+    assert issue([_Ptr(8 << 20), None, _Ptr(9 << 20)], 16, 5, None)  # only the pointers change
+    assert seen[2][13] == 9 << 20 and seen[2][15] == (8 << 20) + 256 and seen[3][-1] == 16
+    # a used pointer misaligned, or a used role now absent: nothing launched, the op's normal
+    # path runs instead
+    assert not issue([_Ptr((8 << 20) + 8), None, _Ptr(9 << 20)], 16, 5, None)
+    assert not issue([_Ptr(8 << 20), None, None], 16, 5, None)
+    assert len(seen) == 4
+
+
 @pytest.mark.gpu
 def test_gpu_replay_of_a_dynamic_ragged_k_launch():
     """A replayed dynamically scheduled launch gets its stream's tile counter (eagerly) or a
