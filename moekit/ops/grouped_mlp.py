@@ -112,12 +112,11 @@ class _GroupedMLPFn(torch.autograd.Function):
         h = torch.empty(R, w1.shape[1], device=dev, dtype=dt) if plan.for_backward else None
         y = torch.empty(R, H, device=dev, dtype=dt)
         if R > 0:
-
-            def launches():
-                _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **plan.act_kwargs)
-                _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
-
-            run_or_record(plan.fwd, (x, offsets, w1, w2, probs, b1, b2, a, h, y), launches)
+            roles = (x, offsets, w1, w2, probs, b1, b2, a, h, y)
+            if not plan.fwd.run(roles):  # the replay is not ready, or this call cannot take it
+                with plan.fwd.recording(roles):
+                    _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **plan.act_kwargs)
+                    _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
         ctx.plan = plan
         ctx.main_grads = (mg1, mg2)
         ctx.bias_dtypes = (
@@ -168,96 +167,98 @@ class _GroupedMLPFn(torch.autograd.Function):
         # host time matters and that memory does not) allocate everything first and run the
         # five launches as one replayed segment.
 
-        # 1. fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
+        # fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
         dh = torch.empty(R, W1, device=dev, dtype=dt)
         a_re = torch.empty(R, F_, device=dev, dtype=dt) if plan.recompute and need_w2 else None
         part = None
         if probs is not None:
             part = torch.empty(plan.part_rows, R, device=dev, dtype=torch.float32)
         dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
-
-        def dact():
-            used = _mlp.grouped_mlp_dact(
-                dy, w2, offsets, h, probs, dh, a_re, part, **plan.act_kwargs
-            )
-            if need_p:
-                _mlp.segment_colsum(used, None, dp.view(1, R))
-
-        # 2. fc2 wgrad (into w2.main_grad when present)
         act_out = (a_re if plan.recompute else a) if need_w2 else None
-        target2 = mg2
-
-        def alloc_dw2():
-            nonlocal target2, dw2
-            if mg2 is None:
-                target2 = dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
-
-        def wgrad2():
-            _gemm.grouped_mm_ragged_k(dy.t(), act_out, offsets, target2, mg2 is not None)
-
-        # 3. fc1 dgrad, fc1 wgrad, bias gradients
-        target1 = None
-
-        def alloc_fc1_grads():
-            nonlocal dx, dw1, target1, db1, db2
-            if need_x:
-                dx = torch.empty(R, H, device=dev, dtype=dt)
-            if need_w1:
-                target1 = mg1
-                if mg1 is None:
-                    target1 = dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype)
-            if need_b1:
-                db1 = torch.empty(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
-            if need_b2:
-                db2 = torch.empty(E, H, device=dev, dtype=ctx.bias_dtypes[1])
-
-        def fc1_grads():
-            if need_x:
-                _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
-            if need_w1:
-                _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, target1, mg1 is not None)
-            if need_b1:
-                _mlp.segment_colsum(dh, offsets, db1)
-            if need_b2:
-                _mlp.segment_colsum(dy, offsets, db2)
+        b_dtypes = ctx.bias_dtypes
 
         if plan.one_segment:
-            if need_w2:
-                alloc_dw2()
-            alloc_fc1_grads()
-
-            def all_grads():
-                dact()
-                if need_w2:
-                    wgrad2()
-                fc1_grads()
-
+            if need_w2 and mg2 is None:
+                dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+            dx, dw1, db1, db2 = _alloc_fc1_grads(needs, x, w1, mg1, b_dtypes)
+            target1 = (mg1 if mg1 is not None else dw1) if need_w1 else None
+            target2 = mg2 if mg2 is not None else dw2
             # a is a role only when saved (with recompute, act_out is a_re, already a role)
-            a_role = None if plan.recompute else act_out
             roles = (
-                dy, offsets, w2, h, probs, dh, a_re, part, dp, a_role, target2,
-                w1, x, dx, target1, db1, db2,
+                dy, offsets, w2, h, probs, dh, a_re, part, dp,
+                None if plan.recompute else act_out, target2, w1, x, dx, target1, db1, db2,
             )  # fmt: skip
-            run_or_record(seg[0], roles, all_grads)
-            part = None
+            if not seg[0].run(roles):  # the replay is not ready, or this call cannot take it
+                with seg[0].recording(roles):
+                    _dact(plan, dy, w2, offsets, h, probs, dh, a_re, part, dp)
+                    if need_w2:
+                        _gemm.grouped_mm_ragged_k(
+                            dy.t(), act_out, offsets, target2, mg2 is not None
+                        )
+                    _fc1_grads(dy, dh, w1, x, offsets, dx, target1, mg1 is not None, db1, db2)
             _release(h)
             _release(act_out)
             return dx, None, dw1, dw2, dp, db1, db2, None, None, None
 
-        run_or_record(seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp), dact)
+        run_or_record(
+            seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp),
+            lambda: _dact(plan, dy, w2, offsets, h, probs, dh, a_re, part, dp),
+        )  # fmt: skip
         part = None  # scratch: released before the weight gradients are allocated
         _release(h)
-        if need_w2:
-            alloc_dw2()
-            run_or_record(seg[1], (dy, offsets, act_out, target2), wgrad2)
+        if need_w2:  # fc2 wgrad (into w2.main_grad when present)
+            target2 = mg2 if mg2 is not None else torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
+            dw2 = target2 if mg2 is None else None
+            run_or_record(
+                seg[1], (dy, offsets, act_out, target2),
+                lambda: _gemm.grouped_mm_ragged_k(
+                    dy.t(), act_out, offsets, target2, mg2 is not None
+                ),
+            )  # fmt: skip
             _release(act_out)
             act_out = None
         # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
         a_re = None
-        alloc_fc1_grads()
-        roles = (dh, offsets, w1, x, dx, target1, db1, db2, dy)
-        run_or_record(seg[2], roles, fc1_grads)
+        dx, dw1, db1, db2 = _alloc_fc1_grads(needs, x, w1, mg1, b_dtypes)
+        target1 = (mg1 if mg1 is not None else dw1) if need_w1 else None
+        run_or_record(
+            seg[2], (dh, offsets, w1, x, dx, target1, db1, db2, dy),
+            lambda: _fc1_grads(dy, dh, w1, x, offsets, dx, target1, mg1 is not None, db1, db2),
+        )  # fmt: skip
         return dx, None, dw1, dw2, dp, db1, db2, None, None, None
+
+
+def _dact(plan: _Plan, dy, w2, offsets, h, probs, dh, a_re, part, dp) -> None:
+    """fc2 dgrad with the activation backward (and the dprobs partials, and the recomputed
+    activation) in its epilogue, then the deterministic sum of the partials into dp."""
+    used = _mlp.grouped_mlp_dact(dy, w2, offsets, h, probs, dh, a_re, part, **plan.act_kwargs)
+    if dp is not None:
+        _mlp.segment_colsum(used, None, dp.view(1, -1))
+
+
+def _alloc_fc1_grads(needs, x, w1, mg1, bias_dtypes):
+    """dx, dw1 (None when it goes to main_grad), db1, db2 as this backward needs them."""
+    need_x, _, need_w1, _, _, need_b1, need_b2 = needs[:7]
+    R, H = x.shape
+    E, W1, _ = w1.shape
+    dev = x.device
+    dx = torch.empty(R, H, device=dev, dtype=x.dtype) if need_x else None
+    dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype) if need_w1 and mg1 is None else None
+    db1 = torch.empty(E, W1, device=dev, dtype=bias_dtypes[0]) if need_b1 else None
+    db2 = torch.empty(E, H, device=dev, dtype=bias_dtypes[1]) if need_b2 else None
+    return dx, dw1, db1, db2
+
+
+def _fc1_grads(dy, dh, w1, x, offsets, dx, target1, accumulate1: bool, db1, db2) -> None:
+    """fc1 dgrad, fc1 wgrad (into ``target1``: dw1 or w1.main_grad), the bias gradients."""
+    if dx is not None:
+        _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
+    if target1 is not None:
+        _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, target1, accumulate1)
+    if db1 is not None:
+        _mlp.segment_colsum(dh, offsets, db1)
+    if db2 is not None:
+        _mlp.segment_colsum(dy, offsets, db2)
 
 
 _apply_grouped_mlp = direct_apply(_GroupedMLPFn)

@@ -194,6 +194,22 @@ def test_main_grad_accumulates_in_place(segments):
     assert torch.all(w1.main_grad[1] == 0.5)  # the empty expert's slice is untouched
 
 
+def test_frozen_weight_with_main_grad_is_left_alone(segments):
+    # w1 does not require grad (frozen) but still carries a main_grad buffer: backward must not
+    # accumulate into it, and the other gradients stay right.
+    counts = [9, 0, 14]
+    x, w1, w2, p, _, _ = _make(sum(counts), 3, 32, 16, "swiglu")
+    w1.requires_grad_(False)
+    off = _offsets(counts)
+    dy = torch.randn(sum(counts), 32)
+    ref = torch.autograd.grad(grouped_mlp_ref(x, off, w1, w2, p), (x, w2, p), dy)
+    w1.main_grad = torch.full(w1.shape, 0.25)
+    got = torch.autograd.grad(grouped_mlp(x, off, w1, w2, p), (x, w2, p), dy)
+    assert torch.all(w1.main_grad == 0.25)
+    for g, r in zip(got, ref):
+        assert _rel(g, r) < 1e-5
+
+
 def test_fallback_for_unaligned_f_and_interleave_warns_once(interpret, monkeypatch):
     if not interpret:
         pytest.skip("the fallback is a property of the fused (Triton) path")
