@@ -6,15 +6,17 @@ ragged-M candidate and torch._grouped_mm on each, to see how much the ratio to t
 with the routing alone and whether one candidate is best throughout.
 
 python benchmarks/probe_ragged_m_routings.py [--draws 6] [--shapes deepseek_v3_ep8 ...]
-    [--cands 0,7,10] [--rounds 2]
+    [--cands 0,7,10] [--rounds 2] [--group-m 8,16,32,4]
 
 --rounds times the candidates in that many alternating-order rounds and keeps each one's best
-(the GPU's clock drifts as it heats).
+(the GPU's clock drifts as it heats). --group-m times the default config (candidate 0) with each
+of these GROUP_M values instead of the candidate list.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import torch
@@ -32,10 +34,15 @@ def main() -> None:
     ap.add_argument("--passes", nargs="*", default=["fc1_fwd", "fc2_fwd", "fc1_dgrad"])
     ap.add_argument("--cands", default="", help="comma list of candidate indices (all)")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--group-m", default="", help="comma list: the default config with each")
     args = ap.parse_args()
     cands = G._candidates("m", torch.bfloat16)
     if args.cands:
         cands = tuple(cands[int(i)] for i in args.cands.split(","))
+    if args.group_m:
+        cands = tuple(
+            dataclasses.replace(cands[0], group_m=int(g)) for g in args.group_m.split(",")
+        )
     table = []
     for name, T, E, H, F in SHAPES:
         if name not in args.shapes:
