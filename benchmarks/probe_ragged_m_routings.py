@@ -6,11 +6,12 @@ ragged-M candidate and torch._grouped_mm on each, to see how much the ratio to t
 with the routing alone and whether one candidate is best throughout.
 
 python benchmarks/probe_ragged_m_routings.py [--draws 6] [--shapes deepseek_v3_ep8 ...]
-    [--cands 0,7,10] [--rounds 2] [--group-m 8,16,32,4]
+    [--cands 0,7,10] [--rounds 2] [--group-m 8,16,32,4] [--vary a_bounded=0,1]
 
 --rounds times the candidates in that many alternating-order rounds and keeps each one's best
 (the GPU's clock drifts as it heats). --group-m times the default config (candidate 0) with each
-of these GROUP_M values instead of the candidate list.
+of these GROUP_M values instead of the candidate list; --vary FIELD=V1,V2 the shape's default
+config with each value of one GemmConfig field (outputs checked bit-identical to the first).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ def main() -> None:
     ap.add_argument("--cands", default="", help="comma list of candidate indices (all)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--group-m", default="", help="comma list: the default config with each")
+    ap.add_argument(
+        "--vary", default="", help="FIELD=V1,V2,...: the shape's default config with each value"
+    )
     args = ap.parse_args()
     cands = G._candidates("m", torch.bfloat16)
     if args.cands:
@@ -59,6 +63,8 @@ def main() -> None:
                 )
             out = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
             flops = 2 * T * N * K
+            if args.vary:
+                cands = _varied(G._ragged_m_candidates(torch.bfloat16, T, E, K)[0], args.vary)
             # draw -1: the random skewed routing the autotuner adds to the call's own
             for draw in range(-1, args.draws):
                 if draw < 0:
@@ -83,6 +89,11 @@ def main() -> None:
                             tfs[i] = max(tfs[i], flops / ms / 1e9)
                         except Exception as exc:  # a candidate may not build
                             print("candidate failed", cands[i], str(exc)[:120])
+                # Variants of one config compute the same sums in the same order: bit-identical.
+                ref = G.grouped_mm_ragged_m(a, b, offsets, out, config=cands[0]).clone()
+                for c in cands[1:] if args.vary or args.group_m else ():
+                    if not torch.equal(G.grouped_mm_ragged_m(a, b, offsets, out, config=c), ref):
+                        print("MISMATCH against candidate 0:", c, flush=True)
                 top = sorted(counts.tolist(), reverse=True)[:3]
                 idle = int((counts == 0).sum())
                 small = int(((counts > 0) & (counts < 128)).sum())
@@ -101,6 +112,14 @@ def main() -> None:
     for i, c in enumerate(cands):
         print(i, c)
     print_tuning_policies(table)
+
+
+def _varied(base, spec: str) -> tuple:
+    """``base`` with field FIELD set to each of V1, V2, ... (``spec`` = "FIELD=V1,V2")."""
+    field, values = spec.split("=")
+    kind = type(getattr(base, field))
+    parse = (lambda v: v.lower() in ("1", "true")) if kind is bool else kind
+    return tuple(dataclasses.replace(base, **{field: parse(v)}) for v in values.split(","))
 
 
 def _pick(policy: str, tfs_d: list[float], other: list[float] | None) -> int:

@@ -63,6 +63,9 @@ class GemmConfig:
     # Ragged M only: swizzle tiles within each expert rather than over the global m-tile
     # index, so concurrently running tiles share one expert's weights (see _ragged_m_tile).
     expert_groups: bool = False
+    # Ragged M only: load A through a descriptor bounded at the tile's expert end, so the rows
+    # of the next expert in an expert's last tile (never stored) are not read but zero-filled.
+    a_bounded: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -220,12 +223,19 @@ def _ragged_m_acc(
     a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e,
     B_K_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    row_end=0, A_BOUNDED: tl.constexpr = False,
 ):  # fmt: skip
-    """fp32 [BM, BN] tile of a[off_m:] @ b[e][:, off_n:] (+ bias[e]) for the ragged-M GEMM."""
+    """fp32 [BM, BN] tile of a[off_m:] @ b[e][:, off_n:] (+ bias[e]) for the ragged-M GEMM.
+    A_BOUNDED: ``a_desc`` is a _ragged_rows_desc and rows >= row_end load as zeros."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if A_BOUNDED:
+        a_j, a_i = _ragged_rows_at(off_m, row_end, BLOCK_M)
     for ki in range(k_tiles):
         off_k = ki * BLOCK_K
-        a = a_desc.load([off_m, off_k])
+        if A_BOUNDED:
+            a = a_desc.load([a_j, a_i, off_k]).reshape(BLOCK_M, BLOCK_K)
+        else:
+            a = a_desc.load([off_m, off_k])
         if B_K_MAJOR:
             b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
         else:
@@ -282,6 +292,7 @@ def _grouped_mm_ragged_m_kernel(
     WARP_SPEC: tl.constexpr,
     EPI_SUBTILE: tl.constexpr,
     EXPERT_GROUPS: tl.constexpr,
+    A_BOUNDED: tl.constexpr = False,
 ):
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -312,6 +323,9 @@ def _grouped_mm_ragged_m_kernel(
         c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
     )
     c_ragged = _ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, EPI_N)
+    a_main = a_desc
+    if A_BOUNDED:
+        a_main = _ragged_rows_desc(a_ptr, T, K, stride_a_t, BLOCK_M, BLOCK_K)
 
     # Experts ending within the first BLOCK_M rows cannot be bounded by c_ragged (see
     # _ragged_rows_desc). Their tiles (one m-tile each) leave the main loop's schedule and
@@ -330,8 +344,8 @@ def _grouped_mm_ragged_m_kernel(
         )  # fmt: skip
         off_n = pid_n * BLOCK_N
         acc = _ragged_m_acc(
-            a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
-            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K,
+            a_main, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
+            HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, row_end, A_BOUNDED,
         )  # fmt: skip
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
@@ -728,6 +742,9 @@ _RAGGED_M_FINE_GRAINED = GemmConfig(
     128, 256, 64, num_warps=8, num_stages=4, epilogue_subtile=True, flatten=True,
     expert_groups=True,
 )  # fmt: skip
+# Average rows per expert up to which ragged-M configs load A bounded at each expert's end
+# (see _ragged_m_candidates).
+_A_BOUNDED_MAX_ROWS_PER_EXPERT = 512
 _RAGGED_M_CANDIDATES_16 = (
     # The default (but see _ragged_m_candidates): expert bands with the flattened loop. Over
     # three gamma routings of each benchmark shape it was within 2.2% of the per-routing best
@@ -801,16 +818,26 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
 
 
 def _ragged_m_candidates(dtype: torch.dtype, T: int, E: int, K: int) -> tuple[GemmConfig, ...]:
-    """The ragged-M candidates with the default for this static shape first.
+    """The ragged-M candidates for this static shape, its default first.
 
-    With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config. Over
-    3-6 routings per pass (H100, interleaved rounds) it was on average 0.1-8.1% faster than
-    the 3-stage one on the Qwen3 and OLMoE passes and 1.9% on DeepSeek's fc2, and 0.5-5.3%
-    slower on most passes with larger experts or a longer K (TE seed fc1 and dgrad, Mixtral,
-    DeepSeek fc1 and dgrad, gpt-oss fc1 and dgrad)."""
+    With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config leads.
+    Over 3-6 routings per pass (H100, interleaved rounds) it was on average 0.1-8.1% faster
+    than the 3-stage one on the Qwen3 and OLMoE passes and 1.9% on DeepSeek's fc2, and
+    0.5-5.3% slower on most passes with larger experts or a longer K (TE seed fc1 and dgrad,
+    Mixtral, DeepSeek fc1 and dgrad, gpt-oss fc1 and dgrad).
+
+    With ≤ 512 rows per expert on average (at most four m-tiles), every candidate loads A
+    bounded at the expert's end (``a_bounded``): there the rows past an expert's end in its
+    last tile are an eighth or more of the rows computed (Qwen3 and OLMoE 13%, gpt-oss 30% at
+    the benchmark's routings), and loading them as zeros was 1.3% faster on average over 54
+    cases of those three shapes (44 faster; docs/grouped_gemm.md, session 15)."""
     cands = _candidates("m", dtype)
-    if dtype != torch.float32 and T <= 1024 * E and K <= 2048:
-        return (_RAGGED_M_FINE_GRAINED, *(c for c in cands if c != _RAGGED_M_FINE_GRAINED))
+    if dtype == torch.float32:
+        return cands
+    if T <= 1024 * E and K <= 2048:
+        cands = (_RAGGED_M_FINE_GRAINED, *(c for c in cands if c != _RAGGED_M_FINE_GRAINED))
+    if T <= _A_BOUNDED_MAX_ROWS_PER_EXPERT * E:
+        cands = tuple(dataclasses.replace(c, a_bounded=True) for c in cands)
     return cands
 
 
@@ -943,6 +970,7 @@ def grouped_mm_ragged_m(
             WARP_SPEC=cfg.warp_specialize,
             EPI_SUBTILE=cfg.epilogue_subtile,
             EXPERT_GROUPS=cfg.expert_groups,
+            A_BOUNDED=cfg.a_bounded,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )  # fmt: skip

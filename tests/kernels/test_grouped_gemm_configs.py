@@ -52,7 +52,9 @@ def _check(cfg, counts, K_, N, dtype, device, *, k_major, bias, tail_rows=3):
 def test_gpu_every_ragged_m_candidate(k_major):
     counts = [0, 1, 63, 64, 65, 127, 128, 129, 200, 777, 0, 3000]
     for cfg in K._candidates("m", torch.bfloat16):
-        _check(cfg, counts, 1024, 768, torch.bfloat16, "cuda", k_major=k_major, bias=k_major)
+        for bounded in (False, True):  # small-expert shapes run every candidate with a_bounded
+            cfg = dataclasses.replace(cfg, a_bounded=bounded)
+            _check(cfg, counts, 1024, 768, torch.bfloat16, "cuda", k_major=k_major, bias=k_major)
 
 
 def _check_ragged_k(cfg, counts, M, N, dtype, device, *, accumulate, calls=2):
@@ -172,24 +174,28 @@ def test_ragged_k_default_by_output_dtype(out_dtype):
 
 
 @pytest.mark.parametrize(
-    "T, E, K_, fine",
+    "T, E, K_, fine, bounded",
     [
-        (65536, 128, 2048, True),  # Qwen3 fc1: 512 rows per expert
-        (32768, 64, 1024, True),  # OLMoE fc2
-        (32768, 32, 2048, True),  # DeepSeek-V3 EP8 fc2: 1024 rows per expert
-        (32768, 32, 7168, False),  # DeepSeek-V3 EP8 fc1: K too long
-        (32768, 128, 2880, False),  # gpt-oss fc1
-        (66560, 20, 512, False),  # TE seed fc2: 3328 rows per expert
-        (16384, 8, 4096, False),  # Mixtral
+        (65536, 128, 2048, True, True),  # Qwen3 fc1: 512 rows per expert
+        (32768, 64, 1024, True, True),  # OLMoE fc2
+        (32768, 32, 2048, True, False),  # DeepSeek-V3 EP8 fc2: 1024 rows per expert
+        (32768, 32, 7168, False, False),  # DeepSeek-V3 EP8 fc1: K too long
+        (32768, 128, 2880, False, True),  # gpt-oss fc1: 256 rows per expert, K too long
+        (66560, 20, 512, False, False),  # TE seed fc2: 3328 rows per expert
+        (16384, 8, 4096, False, False),  # Mixtral
     ],
 )
-def test_ragged_m_default_by_shape(T, E, K_, fine):
+def test_ragged_m_default_by_shape(T, E, K_, fine, bounded):
     """The 4-stage sub-tiled config leads the ragged-M candidates (the default without tuning
     or under CUDA-graph capture, the tuner's prior otherwise) only for small experts and a
-    short K; the candidate set itself does not change."""
+    short K; with at most 512 rows per expert on average every candidate loads A bounded at
+    the expert's end. The candidates are otherwise the same."""
     cands = K._ragged_m_candidates(torch.bfloat16, T, E, K_)
-    assert (cands[0] == K._RAGGED_M_FINE_GRAINED) == fine
-    assert set(cands) == set(K._candidates("m", torch.bfloat16))
+    lead = dataclasses.replace(K._RAGGED_M_FINE_GRAINED, a_bounded=bounded)
+    assert (cands[0] == lead) == fine
+    assert all(c.a_bounded == bounded for c in cands)
+    base = {dataclasses.replace(c, a_bounded=False) for c in cands}
+    assert base == set(K._candidates("m", torch.bfloat16))
     assert len(cands) == len(K._candidates("m", torch.bfloat16))
     assert K._ragged_m_candidates(torch.float32, T, E, K_) == K._CANDIDATES_32
 
@@ -373,23 +379,26 @@ def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, ex
     assert got == (default if expect == "default" else other)
 
 
-@pytest.mark.parametrize("group_m", [1, 2, 8])
-def test_expert_grouped_ragged_m_schedule(group_m):
+@pytest.mark.parametrize("group_m, a_bounded", [(1, False), (2, True), (8, False), (8, True)])
+def test_expert_grouped_ragged_m_schedule(group_m, a_bounded):
     """Interpreter/CPU: with ``expert_groups`` the ragged-M schedule locates each tile's expert
     from a per-expert tile cumsum and swizzles within the expert; a miscount would drop or
     repeat tiles. Experts with no rows, one row, several m-tiles (block 32 here) and bands of
-    GROUP_M m-tiles cut short at an expert's end."""
+    GROUP_M m-tiles cut short at an expert's end. ``a_bounded``: A rows past each expert's end
+    load as zeros (a wrong bound would zero rows the expert owns)."""
     from moekit.config import interpret_mode
 
     if not interpret_mode():
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
-    cfg = dataclasses.replace(K._INTERPRET_CONFIG, expert_groups=True, group_m=group_m)
+    cfg = dataclasses.replace(
+        K._INTERPRET_CONFIG, expert_groups=True, group_m=group_m, a_bounded=a_bounded
+    )
     counts = [40, 0, 1, 70, 33, 0, 130, 5, 64]
     _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=True, bias=False)
     _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=False, bias=True)
 
 
-@pytest.mark.parametrize("kind", ["m", "k", "k dynamic", "k flat"])
+@pytest.mark.parametrize("kind", ["m", "m a_bounded", "k", "k dynamic", "k flat"])
 def test_experts_ending_within_the_first_tile(kind, monkeypatch):
     """Interpreter/CPU: experts that end before row BLOCK (32 here) cannot be bounded by the
     row-bounded descriptors and take the pointer paths (ragged M: a loop after the main one;
@@ -399,8 +408,9 @@ def test_experts_ending_within_the_first_tile(kind, monkeypatch):
     if not interpret_mode():
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     counts = [3, 0, 9, 19, 1, 40, 0, 70]  # ends 3, 3, 12, 31, 32, 72, 72, 142
-    if kind == "m":
-        _check(K._INTERPRET_CONFIG, counts, 48, 40, torch.float16, "cpu", k_major=True, bias=True)
+    if kind.startswith("m"):
+        cfg = dataclasses.replace(K._INTERPRET_CONFIG, a_bounded=kind == "m a_bounded")
+        _check(cfg, counts, 48, 40, torch.float16, "cpu", k_major=True, bias=True)
         return
     cfg = dataclasses.replace(
         K._INTERPRET_CONFIG, dynamic=kind == "k dynamic", flatten=kind == "k flat"

@@ -10,6 +10,8 @@ that replace the row-bounded descriptor there), empty experts and rows past offs
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -58,7 +60,9 @@ def test_gpu_ragged_m_operands_at_mapping_edges(guarded, at_end):
     b = torch.randn(len(COUNTS), K_, N, dtype=torch.bfloat16, device="cuda") / 16
     out = guarded((T, N), torch.bfloat16, at_end)
     ref = grouped_mm_ragged_m_ref(a.float(), b.float(), offsets, torch.float32)
-    for cfg in K._candidates("m", torch.bfloat16):
+    # a_bounded: A read through a row-bounded box too
+    cands = K._candidates("m", torch.bfloat16)
+    for cfg in [*cands, *(dataclasses.replace(c, a_bounded=True) for c in cands)]:
         out.fill_(float("nan"))
         K.grouped_mm_ragged_m(a, b, offsets, out, config=cfg)
         torch.cuda.synchronize()
