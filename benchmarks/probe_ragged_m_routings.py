@@ -31,6 +31,9 @@ from moekit.kernels import grouped_gemm as G
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--draws", type=int, default=6)
+    ap.add_argument(
+        "--first-draw", type=int, default=0, help="draw seeds start here (new routings)"
+    )
     ap.add_argument("--shapes", nargs="*", default=["deepseek_v3_ep8"])
     ap.add_argument("--passes", nargs="*", default=["fc1_fwd", "fc2_fwd", "fc1_dgrad"])
     ap.add_argument("--cands", default="", help="comma list of candidate indices (all)")
@@ -64,9 +67,10 @@ def main() -> None:
             out = torch.empty(T, N, device="cuda", dtype=torch.bfloat16)
             flops = 2 * T * N * K
             if args.vary:
-                cands = _varied(G._ragged_m_candidates(torch.bfloat16, T, E, K)[0], args.vary)
+                cands = _varied(G._ragged_m_candidates(torch.bfloat16, T, E, K, N)[0], args.vary)
             # draw -1: the random skewed routing the autotuner adds to the call's own
-            for draw in range(-1, args.draws):
+            draws = range(args.first_draw, args.first_draw + args.draws)
+            for draw in (-1, *draws):
                 if draw < 0:
                     like = torch.zeros(1, device="cuda", dtype=torch.int32)
                     offsets = G._random_skewed_offsets(T, E, like)

@@ -745,6 +745,10 @@ _RAGGED_M_FINE_GRAINED = GemmConfig(
 # Average rows per expert up to which ragged-M configs load A bounded at each expert's end
 # (see _ragged_m_candidates).
 _A_BOUNDED_MAX_ROWS_PER_EXPERT = 512
+# Outside the fine-grained default, K and N from which ragged-M configs swizzle over bands of
+# 16 m-tiles instead of 8 (see _ragged_m_candidates).
+_WIDE_BAND_MIN_K_N = 2048
+_WIDE_BAND_GROUP_M = 16
 _RAGGED_M_CANDIDATES_16 = (
     # The default (but see _ragged_m_candidates): expert bands with the flattened loop. Over
     # three gamma routings of each benchmark shape it was within 2.2% of the per-routing best
@@ -817,7 +821,9 @@ def _candidates(kind: str, dtype: torch.dtype) -> tuple[GemmConfig, ...]:
     return _RAGGED_M_CANDIDATES_16 if kind == "m" else _RAGGED_K_CANDIDATES_16
 
 
-def _ragged_m_candidates(dtype: torch.dtype, T: int, E: int, K: int) -> tuple[GemmConfig, ...]:
+def _ragged_m_candidates(
+    dtype: torch.dtype, T: int, E: int, K: int, N: int
+) -> tuple[GemmConfig, ...]:
     """The ragged-M candidates for this static shape, its default first.
 
     With ≤ 1024 rows per expert on average and K ≤ 2048, the 4-stage sub-tiled config leads.
@@ -830,12 +836,23 @@ def _ragged_m_candidates(dtype: torch.dtype, T: int, E: int, K: int) -> tuple[Ge
     bounded at the expert's end (``a_bounded``): there the rows past an expert's end in its
     last tile are an eighth or more of the rows computed (Qwen3 and OLMoE 13%, gpt-oss 30% at
     the benchmark's routings), and loading them as zeros was 1.3% faster on average over 54
-    cases of those three shapes (44 faster; docs/grouped_gemm.md, session 15)."""
+    cases of those three shapes (44 faster; docs/grouped_gemm.md, session 15).
+
+    Where the fine-grained config does not lead and K, N ≥ 2048, every candidate swizzles over
+    bands of 16 m-tiles (an expert's band then covers 16 m-tiles × 132 / 16 n-tiles, which
+    holds less of A and B in L2 at once than 8 × 16.5 where experts have that many tiles).
+    Against GROUP_M 8 it was on average 0.5-1.1% faster on the DeepSeek-V3, Mixtral and
+    gpt-oss passes this selects, in two probes on disjoint routings (33 and 63 cases, faster
+    in 44 of the 63), and 0.9% slower on the TE seed's narrow fc1 (4 n-tiles), which the rule
+    leaves out (docs/grouped_gemm.md, sessions 14 and 16)."""
     cands = _candidates("m", dtype)
     if dtype == torch.float32:
         return cands
-    if T <= 1024 * E and K <= 2048:
+    fine_grained = T <= 1024 * E and K <= 2048
+    if fine_grained:
         cands = (_RAGGED_M_FINE_GRAINED, *(c for c in cands if c != _RAGGED_M_FINE_GRAINED))
+    elif K >= _WIDE_BAND_MIN_K_N and N >= _WIDE_BAND_MIN_K_N:
+        cands = tuple(dataclasses.replace(c, group_m=_WIDE_BAND_GROUP_M) for c in cands)
     if T <= _A_BOUNDED_MAX_ROWS_PER_EXPERT * E:
         cands = tuple(dataclasses.replace(c, a_bounded=True) for c in cands)
     return cands
@@ -979,7 +996,7 @@ def grouped_mm_ragged_m(
         key = (N, K, E, b_k_major, bias is not None)
         tune = routing_robust_tuning(launch, T, E, offsets)
         config = _pick_config(
-            "m", key, a.dtype, a.device, tune, _ragged_m_candidates(a.dtype, T, E, K),
+            "m", key, a.dtype, a.device, tune, _ragged_m_candidates(a.dtype, T, E, K, N),
             keep_default_within=0.05,
         )  # fmt: skip
     launch(config)

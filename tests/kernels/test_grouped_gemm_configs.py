@@ -51,9 +51,12 @@ def _check(cfg, counts, K_, N, dtype, device, *, k_major, bias, tail_rows=3):
 @pytest.mark.parametrize("k_major", [False, True])
 def test_gpu_every_ragged_m_candidate(k_major):
     counts = [0, 1, 63, 64, 65, 127, 128, 129, 200, 777, 0, 3000]
-    for cfg in K._candidates("m", torch.bfloat16):
-        for bounded in (False, True):  # small-expert shapes run every candidate with a_bounded
-            cfg = dataclasses.replace(cfg, a_bounded=bounded)
+    # _ragged_m_candidates sets a_bounded (small experts) and GROUP_M 16 (large K and N) on
+    # every candidate; the 3000-row expert has 24 m-tiles, so bands of 16 differ from 8.
+    variants = [(False, 8), (True, 8), (False, 16) if k_major else (True, 16)]
+    for base in K._candidates("m", torch.bfloat16):
+        for bounded, group_m in variants:
+            cfg = dataclasses.replace(base, a_bounded=bounded, group_m=group_m)
             _check(cfg, counts, 1024, 768, torch.bfloat16, "cuda", k_major=k_major, bias=k_major)
 
 
@@ -174,30 +177,33 @@ def test_ragged_k_default_by_output_dtype(out_dtype):
 
 
 @pytest.mark.parametrize(
-    "T, E, K_, fine, bounded",
+    "T, E, K_, N, fine, bounded, wide",
     [
-        (65536, 128, 2048, True, True),  # Qwen3 fc1: 512 rows per expert
-        (32768, 64, 1024, True, True),  # OLMoE fc2
-        (32768, 32, 2048, True, False),  # DeepSeek-V3 EP8 fc2: 1024 rows per expert
-        (32768, 32, 7168, False, False),  # DeepSeek-V3 EP8 fc1: K too long
-        (32768, 128, 2880, False, True),  # gpt-oss fc1: 256 rows per expert, K too long
-        (66560, 20, 512, False, False),  # TE seed fc2: 3328 rows per expert
-        (16384, 8, 4096, False, False),  # Mixtral
+        (65536, 128, 2048, 1536, True, True, False),  # Qwen3 fc1: 512 rows per expert
+        (32768, 64, 1024, 2048, True, True, False),  # OLMoE fc2
+        (32768, 32, 2048, 7168, True, False, False),  # DeepSeek-V3 EP8 fc2: 1024 rows/expert
+        (32768, 32, 7168, 4096, False, False, True),  # DeepSeek-V3 EP8 fc1: K too long
+        (32768, 128, 2880, 5760, False, True, True),  # gpt-oss fc1: 256 rows/expert, long K
+        (66560, 20, 512, 2048, False, False, False),  # TE seed fc2: 3328 rows/expert, short K
+        (66560, 20, 2048, 1024, False, False, False),  # TE seed fc1: narrow N
+        (16384, 8, 4096, 28672, False, False, True),  # Mixtral
     ],
 )
-def test_ragged_m_default_by_shape(T, E, K_, fine, bounded):
+def test_ragged_m_default_by_shape(T, E, K_, N, fine, bounded, wide):
     """The 4-stage sub-tiled config leads the ragged-M candidates (the default without tuning
     or under CUDA-graph capture, the tuner's prior otherwise) only for small experts and a
     short K; with at most 512 rows per expert on average every candidate loads A bounded at
-    the expert's end. The candidates are otherwise the same."""
-    cands = K._ragged_m_candidates(torch.bfloat16, T, E, K_)
+    the expert's end; outside the fine-grained case, with K and N >= 2048, every candidate
+    swizzles over bands of 16 m-tiles. The candidates are otherwise the same."""
+    cands = K._ragged_m_candidates(torch.bfloat16, T, E, K_, N)
     lead = dataclasses.replace(K._RAGGED_M_FINE_GRAINED, a_bounded=bounded)
     assert (cands[0] == lead) == fine
     assert all(c.a_bounded == bounded for c in cands)
-    base = {dataclasses.replace(c, a_bounded=False) for c in cands}
+    assert all(c.group_m == (16 if wide else 8) for c in cands)
+    base = {dataclasses.replace(c, a_bounded=False, group_m=8) for c in cands}
     assert base == set(K._candidates("m", torch.bfloat16))
     assert len(cands) == len(K._candidates("m", torch.bfloat16))
-    assert K._ragged_m_candidates(torch.float32, T, E, K_) == K._CANDIDATES_32
+    assert K._ragged_m_candidates(torch.float32, T, E, K_, N) == K._CANDIDATES_32
 
 
 def test_dynamic_schedule_counter_resets(monkeypatch):
@@ -379,7 +385,9 @@ def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, ex
     assert got == (default if expect == "default" else other)
 
 
-@pytest.mark.parametrize("group_m, a_bounded", [(1, False), (2, True), (8, False), (8, True)])
+@pytest.mark.parametrize(
+    "group_m, a_bounded", [(1, False), (2, True), (8, False), (8, True), (16, False)]
+)
 def test_expert_grouped_ragged_m_schedule(group_m, a_bounded):
     """Interpreter/CPU: with ``expert_groups`` the ragged-M schedule locates each tile's expert
     from a per-expert tile cumsum and swizzles within the expert; a miscount would drop or
@@ -394,6 +402,8 @@ def test_expert_grouped_ragged_m_schedule(group_m, a_bounded):
         K._INTERPRET_CONFIG, expert_groups=True, group_m=group_m, a_bounded=a_bounded
     )
     counts = [40, 0, 1, 70, 33, 0, 130, 5, 64]
+    if group_m > 8:  # an expert of 19 m-tiles: one full band of 16 and one cut short
+        counts[3] = 600
     _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=True, bias=False)
     _check(cfg, counts, 48, 72, torch.float16, "cpu", k_major=False, bias=True)
 
