@@ -40,11 +40,7 @@ def _mm_one(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
     tiles_m = tl.cdiv(M, BM)
     tiles_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS, flatten=FLAT):
-        group = tile // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pm = first_m + (tile % size_m)
-        pn = (tile % (GROUP_M * tiles_n)) // size_m
+        pm, pn = G._swizzle_tile(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         for k in range(tl.cdiv(K, BK)):
             acc = tl.dot(a_desc.load([pm * BM, k * BK]), b_desc.load([pn * BN, k * BK]).T, acc)
@@ -64,11 +60,7 @@ def _mm_two(a_ptr, b_ptr, c_ptr, M, N, K, BN: tl.constexpr, BK: tl.constexpr,
     tiles_m = tl.cdiv(M, TM)
     tiles_n = tl.cdiv(N, BN)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, NUM_SMS):
-        group = tile // (GROUP_M * tiles_n)
-        first_m = group * GROUP_M
-        size_m = min(tiles_m - first_m, GROUP_M)
-        pm = first_m + (tile % size_m)
-        pn = (tile % (GROUP_M * tiles_n)) // size_m
+        pm, pn = G._swizzle_tile(tile, tiles_m, tiles_n, GROUP_M)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         acc2 = tl.zeros((BM2, BN), dtype=tl.float32)
         for k in range(tl.cdiv(K, BK)):
