@@ -841,10 +841,10 @@ def _ragged_m_candidates(
     Where the fine-grained config does not lead and K, N ≥ 2048, every candidate swizzles over
     bands of 16 m-tiles (an expert's band then covers 16 m-tiles × 132 / 16 n-tiles, which
     holds less of A and B in L2 at once than 8 × 16.5 where experts have that many tiles).
-    Against GROUP_M 8 it was on average 0.5-1.1% faster on the DeepSeek-V3, Mixtral and
-    gpt-oss passes this selects, in two probes on disjoint routings (33 and 63 cases, faster
-    in 44 of the 63), and 0.9% slower on the TE seed's narrow fc1 (4 n-tiles), which the rule
-    leaves out (docs/grouped_gemm.md, sessions 14 and 16)."""
+    Against GROUP_M 8, on the DeepSeek-V3, Mixtral and gpt-oss passes this selects, three
+    probes on disjoint routings gave +1.0, +0.6 and +0.1% on average (33, 63 and 36 cases;
+    within the noise of single cases). On the TE seed, whose fc1 has 4 n-tiles, it was 0.9%
+    slower; the rule leaves it out (docs/grouped_gemm.md, sessions 14 and 16)."""
     cands = _candidates("m", dtype)
     if dtype == torch.float32:
         return cands
