@@ -132,12 +132,18 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick, dense: DensePeak
     for pname, (flops, ours, theirs, loop) in passes.items():
         # The GPU's clock drifts over a long run (thermal/power): time the contenders in
         # alternating rounds and keep each one's best median, so no side gets the cooler GPU.
+        # Each round's torch / moekit ratio (the two timed back to back) is kept as well: its
+        # spread shows how much of a cell's margin is the GPU's clock of the moment.
         t_ours = t_torch = t_loop = t_dense = float("inf")
+        round_ratios = []
         for _ in range(3):
             t_dense = min(t_dense, dense.ms())
-            t_ours = min(t_ours, bench(ours))
+            ms_ours = bench(ours)
+            t_ours = min(t_ours, ms_ours)
             try:
-                t_torch = min(t_torch, bench(theirs))
+                ms_torch = bench(theirs)
+                t_torch = min(t_torch, ms_torch)
+                round_ratios.append(ms_torch / ms_ours)
             except Exception as exc:  # torch._grouped_mm refuses some layouts; report it
                 print(f"  torch._grouped_mm {name}/{pname}: {type(exc).__name__}: {exc}"[:200])
                 t_torch = float("nan")
@@ -157,6 +163,7 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick, dense: DensePeak
                 "torch_tflops": tf(t_torch),
                 "loop_tflops": tf(t_loop),
                 "ratio_vs_torch": t_torch / t_ours,
+                "ratio_per_round": round_ratios,
                 "moekit_pct_peak": 100 * tf(t_ours) / peak,
                 "torch_pct_peak": 100 * tf(t_torch) / peak,
                 "floor_ms": flops / (peak * 1e9),
@@ -303,7 +310,8 @@ def main() -> None:
 
     hdr = (
         f"{'shape':16s} {'route':7s} {'pass':15s} {'moekit':>7s} {'torch':>7s} {'ratio':>6s} "
-        f"{'loop':>7s} {'%peak':>6s} {'t%peak':>6s} {'pk_pass':>7s} {'t%pass':>6s}"
+        f"{'loop':>7s} {'%peak':>6s} {'t%peak':>6s} {'pk_pass':>7s} {'t%pass':>6s} "
+        f"{'rounds':>9s}"
     )
     lines = [hdr]
     for r in rows:
@@ -311,7 +319,8 @@ def main() -> None:
             f"{r['shape']:16s} {r['routing']:7s} {r['pass']:15s} {r['moekit_tflops']:7.0f} "
             f"{r['torch_tflops']:7.0f} {r['ratio_vs_torch']:6.2f} {r['loop_tflops']:7.0f} "
             f"{r['moekit_pct_peak']:6.1f} {r['torch_pct_peak']:6.1f} "
-            f"{r['pass_peak_tflops']:7.0f} {r['torch_pct_pass_peak']:6.1f}"
+            f"{r['pass_peak_tflops']:7.0f} {r['torch_pct_pass_peak']:6.1f} "
+            f"{_round_range(r)}"
         )
     lines += target_summary(rows)
     configs = {str(k): str(v) for k, v in tuned_configs().items()}
@@ -351,8 +360,16 @@ def target_summary(rows: list[dict]) -> list[str]:
 
 def _cells(rows: list[dict]) -> str:
     return " ".join(
-        f"{r['shape']}/{r['routing'][:4]}/{r['pass']}={r['ratio_vs_torch']:.2f}" for r in rows
+        f"{r['shape']}/{r['routing'][:4]}/{r['pass']}={r['ratio_vs_torch']:.2f}"
+        f" (rounds {_round_range(r)})"
+        for r in rows
     )
+
+
+def _round_range(row: dict) -> str:
+    """Lowest-highest torch / moekit ratio over the pass's rounds."""
+    ratios = row.get("ratio_per_round") or [float("nan")]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
 def _plot(rows, peak, path) -> None:
