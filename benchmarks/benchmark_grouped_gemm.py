@@ -11,7 +11,13 @@ pass's alternating rounds, so that torch's % of peak compares the two at the sam
 summary at the end checks the issue's targets against both). Routing counts come from a skewed gamma draw (some
 experts get few or no rows); the first shape is also run with uniform counts.
 
-    python benchmarks/benchmark_grouped_gemm.py --out bench_out
+With --draws N each shape runs N skewed routings (draws 0 .. N-1, each from its own seed, so a
+shape's routings do not depend on which other shapes run). A single draw moves the torch /
+moekit ratio of the fine-grained passes by up to ±8% (benchmarks/probe_ragged_m_routings.py),
+so the summary then reads the targets off each cell's geometric-mean ratio over the draws,
+with the per-draw range beside it.
+
+    python benchmarks/benchmark_grouped_gemm.py --out bench_out [--quick] [--draws 3]
 """
 
 from __future__ import annotations
@@ -53,6 +59,15 @@ def routing_counts(T: int, E: int, skewed: bool, gen: torch.Generator) -> torch.
     return counts
 
 
+def skewed_routing(T: int, E: int, draw: int) -> torch.Tensor:
+    """Skewed routing number ``draw`` of a shape: the same counts whatever ran before (the
+    caller's random state is left as it was). Draw 0 is the routing the benchmark drew for its
+    first skewed shape (the TE seed) before draws were numbered."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(draw)
+        return routing_counts(T, E, True, torch.Generator().manual_seed(draw))
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -82,8 +97,9 @@ def dense_peak_tflops(dtype: torch.dtype) -> float:
     return DensePeak(dtype).tflops()
 
 
-def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick, dense: DensePeak):
-    counts = routing_counts(T, E, skewed, gen)
+def run_case(name, T, E, H, F, counts, draw, dtype, peak, quick, dense: DensePeak):
+    """Every pass of one shape on one routing (``draw`` None: uniform counts)."""
+    skewed = draw is not None
     offs = torch.cumsum(counts, 0).to(torch.int32).cuda()
     host_bounds = [0, *torch.cumsum(counts, 0).tolist()]
     x = torch.randn(T, H, device="cuda", dtype=dtype)
@@ -154,6 +170,7 @@ def run_case(name, T, E, H, F, skewed, dtype, peak, gen, quick, dense: DensePeak
             {
                 "shape": name,
                 "routing": "skewed" if skewed else "uniform",
+                "draw": draw,
                 "T": T, "E": E, "H": H, "F": F,
                 "pass": pname,
                 "moekit_ms": t_ours,
@@ -268,6 +285,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="skip the per-expert loop baseline")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     parser.add_argument(
+        "--draws", type=int, default=1, help="skewed routings per shape (draws 0 .. N-1)"
+    )
+    parser.add_argument(
         "--sweep", default="", help="comma list of shapes whose tile configs to sweep"
     )
     parser.add_argument(
@@ -304,30 +324,27 @@ def main() -> None:
     for i, (name, T, E, H, F) in enumerate(SHAPES):
         if name not in wanted:
             continue
-        for skewed in [False, True] if i == 0 else [True]:
-            rows += run_case(name, T, E, H, F, skewed, dtype, peak, gen, args.quick, dense)
+        draws = ([None] if i == 0 else []) + list(range(args.draws))
+        for draw in draws:
+            if draw is None:
+                counts = routing_counts(T, E, False, gen)
+            else:
+                counts = skewed_routing(T, E, draw)
+            rows += run_case(name, T, E, H, F, counts, draw, dtype, peak, args.quick, dense)
     peak2 = dense.tflops()
+    cells = aggregate_draws(rows)
 
-    hdr = (
-        f"{'shape':16s} {'route':7s} {'pass':15s} {'moekit':>7s} {'torch':>7s} {'ratio':>6s} "
-        f"{'loop':>7s} {'%peak':>6s} {'t%peak':>6s} {'pk_pass':>7s} {'t%pass':>6s} "
-        f"{'rounds':>9s}"
-    )
-    lines = [hdr]
-    for r in rows:
-        lines.append(
-            f"{r['shape']:16s} {r['routing']:7s} {r['pass']:15s} {r['moekit_tflops']:7.0f} "
-            f"{r['torch_tflops']:7.0f} {r['ratio_vs_torch']:6.2f} {r['loop_tflops']:7.0f} "
-            f"{r['moekit_pct_peak']:6.1f} {r['torch_pct_peak']:6.1f} "
-            f"{r['pass_peak_tflops']:7.0f} {r['torch_pct_pass_peak']:6.1f} "
-            f"{_round_range(r)}"
-        )
-    lines += target_summary(rows)
+    lines = _table(rows)
+    if args.draws > 1:
+        lines += ["", f"mean over {args.draws} skewed draws (ratio: geometric mean):"]
+        lines += _table(cells)
+    lines += target_summary(cells)
     configs = {str(k): str(v) for k, v in tuned_configs().items()}
     with open(os.path.join(args.out, "grouped_gemm.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "peak_tflops": [peak, peak2],
-                   "rows": rows, "configs": configs}, f, indent=1)  # fmt: skip
-    _plot(rows, peak, os.path.join(args.out, "grouped_gemm.png"))
+                   "draws": args.draws, "rows": rows, "cells": cells,
+                   "configs": configs}, f, indent=1)  # fmt: skip
+    _plot(cells, peak, os.path.join(args.out, "grouped_gemm.png"))
     print("\nautotuned configs:")
     for k, v in configs.items():
         print(" ", k, "->", v)
@@ -335,8 +352,57 @@ def main() -> None:
     print("\n".join(lines))
 
 
+def _table(rows: list[dict]) -> list[str]:
+    """One line per row; the last column is the ratio's range over the draws of a cell
+    averaged over draws, else over the pass's rounds."""
+    hdr = (
+        f"{'shape':16s} {'route':7s} {'draw':>4s} {'pass':15s} {'moekit':>7s} {'torch':>7s} "
+        f"{'ratio':>6s} {'loop':>7s} {'%peak':>6s} {'t%peak':>6s} {'pk_pass':>7s} "
+        f"{'t%pass':>6s} {'range':>9s}"
+    )
+    lines = [hdr]
+    for r in rows:
+        draw = "-" if r.get("draw") is None else str(r["draw"])
+        lines.append(
+            f"{r['shape']:16s} {r['routing']:7s} {draw:>4s} {r['pass']:15s} "
+            f"{r['moekit_tflops']:7.0f} {r['torch_tflops']:7.0f} {r['ratio_vs_torch']:6.2f} "
+            f"{r['loop_tflops']:7.0f} {r['moekit_pct_peak']:6.1f} {r['torch_pct_peak']:6.1f} "
+            f"{r['pass_peak_tflops']:7.0f} {r['torch_pct_pass_peak']:6.1f} "
+            f"{_spread(r)}"
+        )
+    return lines
+
+
+_AVERAGED = (
+    "moekit_tflops", "torch_tflops", "loop_tflops", "moekit_pct_peak", "torch_pct_peak",
+    "pass_peak_tflops", "moekit_pct_pass_peak", "torch_pct_pass_peak",
+)  # fmt: skip
+
+
+def aggregate_draws(rows: list[dict]) -> list[dict]:
+    """One cell per (shape, routing, pass): TFLOP/s and % of peak averaged over the draws,
+    the torch / moekit ratio as the geometric mean of the draws' ratios, and the draws'
+    ratios in ``ratio_per_draw``. A cell of one draw keeps its row's figures."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["shape"], r["routing"], r["pass"]), []).append(r)
+    cells = []
+    for rs in groups.values():
+        if len(rs) == 1:
+            cells.append(dict(rs[0]))
+            continue
+        ratios = [r["ratio_vs_torch"] for r in rs]
+        cell = {k: v for k, v in rs[0].items() if k not in ("draw", "ratio_per_round")}
+        cell.update({k: sum(r[k] for r in rs) / len(rs) for k in _AVERAGED})
+        cell["draw"] = f"mean of {len(rs)}"
+        cell["ratio_vs_torch"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+        cell["ratio_per_draw"] = ratios
+        cells.append(cell)
+    return cells
+
+
 def target_summary(rows: list[dict]) -> list[str]:
-    """The issue's targets, read off this run's rows."""
+    """The issue's targets, read off this run's cells (one per shape, routing and pass)."""
     out = ["", "targets:"]
     below = [r for r in rows if r["ratio_vs_torch"] < 1.0]
     out.append(f"  ratio < 1.0: {len(below)} of {len(rows)} " + _cells(below))
@@ -361,14 +427,15 @@ def target_summary(rows: list[dict]) -> list[str]:
 def _cells(rows: list[dict]) -> str:
     return " ".join(
         f"{r['shape']}/{r['routing'][:4]}/{r['pass']}={r['ratio_vs_torch']:.2f}"
-        f" (rounds {_round_range(r)})"
+        f" ({'draws' if 'ratio_per_draw' in r else 'rounds'} {_spread(r)})"
         for r in rows
     )
 
 
-def _round_range(row: dict) -> str:
-    """Lowest-highest torch / moekit ratio over the pass's rounds."""
-    ratios = row.get("ratio_per_round") or [float("nan")]
+def _spread(row: dict) -> str:
+    """Lowest-highest torch / moekit ratio over the draws of a cell averaged over draws, else
+    over the pass's rounds."""
+    ratios = row.get("ratio_per_draw") or row.get("ratio_per_round") or [float("nan")]
     return f"{min(ratios):.2f}-{max(ratios):.2f}"
 
 
