@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, "benchmarks")
-from benchmark_grouped_gemm import SHAPES, bench, routing_counts
+from benchmark_grouped_gemm import SHAPES, bench, routing_counts, skewed_routing
 
 from moekit.ops import grouped_mm
 
@@ -47,7 +47,7 @@ def main() -> None:
         if name not in args.shapes:
             continue
         torch.manual_seed(0)
-        skew = routing_counts(T, E, True, torch.Generator().manual_seed(0))
+        skew = skewed_routing(T, E, 0)  # the benchmark's draw 0
         uni = routing_counts(T, E, False, torch.Generator())
         offs = {r: torch.cumsum(c, 0).to(torch.int32).cuda() for r, c in (("s", skew), ("u", uni))}
         waste = computed_rows(skew) / T
