@@ -1,31 +1,84 @@
-"""Every environment knob moekit reads, in one place (documented in docs/ENV.md).
+"""Every environment variable moekit reads, read here and nowhere else (listed in docs/ENV.md).
 
-All knobs are prefixed ``MOEKIT_``; ``TRITON_INTERPRET`` is Triton's own and selects the CPU
-interpreter, which is how CI runs the kernels without a GPU.
+moekit's own knobs are prefixed ``MOEKIT_``. ``TRITON_INTERPRET`` is Triton's: it selects the CPU
+interpreter, which is how CI runs the kernels without a GPU. Triton decides it when a kernel is
+defined (at import), so moekit remembers the value it was imported with and refuses a change
+made later (see :func:`check_interpret_unchanged`).
 """
 
 from __future__ import annotations
 
 import os
 
+__all__ = [
+    "allreduce_threshold_bytes",
+    "autotune_enabled",
+    "check_interpret_unchanged",
+    "interpret_mode",
+    "lamport_slot_bytes",
+    "symm_pool_bytes",
+]
 
-def interpret_mode() -> bool:
-    """True when Triton kernels run in Triton's CPU interpreter."""
+
+def _interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# The interpreter setting moekit's kernels were defined with (they are defined when this
+# package is imported, right after this module).
+_INTERPRET_AT_IMPORT = _interpret_env()
+
+
+def interpret_mode() -> bool:
+    """True when moekit's Triton kernels run in Triton's CPU interpreter."""
+    return _INTERPRET_AT_IMPORT
+
+
+def check_interpret_unchanged() -> None:
+    """Raise a clear error if ``TRITON_INTERPRET`` changed after moekit was imported.
+
+    Triton turns each ``@triton.jit`` function into an interpreted or a compiled kernel when it
+    is defined, so a later change cannot take effect; left alone it surfaces as Triton's
+    "0 active drivers" error (or as a GPU tensor run through the interpreter)."""
+    if _interpret_env() != _INTERPRET_AT_IMPORT:
+        now = os.environ.get("TRITON_INTERPRET")
+        raise RuntimeError(
+            f"TRITON_INTERPRET changed to {now!r} after moekit was imported (it was "
+            f"{'1' if _INTERPRET_AT_IMPORT else 'unset'}); Triton fixes the interpreter choice "
+            "when kernels are defined, so set TRITON_INTERPRET=1 before importing moekit "
+            "(or triton), e.g. `TRITON_INTERPRET=1 python script.py`"
+        )
+
+
 def autotune_enabled() -> bool:
-    """``MOEKIT_AUTOTUNE=0`` turns autotuning off; heuristic tile configs are used instead."""
+    """``MOEKIT_AUTOTUNE=0`` turns autotuning off: the shape-based default configs are used."""
     return os.environ.get("MOEKIT_AUTOTUNE", "1") != "0"
 
 
+def _kib(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(float(value) * 1024) if value else None
+
+
 def symm_pool_bytes(default: int) -> int:
-    """Size of the symmetric-memory pool: ``MOEKIT_SYMM_POOL_MB`` (MiB) if set, else ``default``."""
+    """Data bytes of a symmetric-memory pool: ``MOEKIT_SYMM_POOL_MB`` (MiB) if set."""
     mb = os.environ.get("MOEKIT_SYMM_POOL_MB")
     return int(float(mb) * (1 << 20)) if mb else default
 
 
-def env_kib(name: str) -> int | None:
-    """A size knob given in KiB (e.g. ``MOEKIT_AR_ONE_SHOT_MAX_KB``), in bytes; None if unset."""
-    value = os.environ.get(name)
-    return int(float(value) * 1024) if value else None
+def lamport_slot_bytes(default: int) -> int:
+    """Bytes of one Lamport slot of the all-reduce workspace: ``MOEKIT_AR_LAMPORT_SLOT_KB``."""
+    value = _kib("MOEKIT_AR_LAMPORT_SLOT_KB")
+    return default if value is None else value
+
+
+# The all-reduce ``auto`` thresholds, by name: MOEKIT_AR_<NAME>_MAX_KB.
+ALLREDUCE_THRESHOLDS = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
+
+
+def allreduce_threshold_bytes(name: str) -> int | None:
+    """Largest message (bytes) ``auto`` sends by algorithm ``name``, from
+    ``MOEKIT_AR_<NAME>_MAX_KB``; None when unset (the measured default applies)."""
+    if name not in ALLREDUCE_THRESHOLDS:
+        raise ValueError(f"name must be one of {ALLREDUCE_THRESHOLDS}, got {name!r}")
+    return _kib(f"MOEKIT_AR_{name.upper()}_MAX_KB")

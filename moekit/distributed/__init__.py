@@ -1,4 +1,4 @@
-"""Process-group helpers and the symmetric-memory pool.
+"""Process-group helpers and the generic symmetric-memory pool.
 
 Importing this package sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` where unset (moekit never uses NVLink multicast).
@@ -8,6 +8,7 @@ from moekit.distributed.env import (
     NO_MULTICAST_ENV,
     DistInfo,
     disable_multicast_env,
+    group_from_name,
     init_distributed,
 )
 from moekit.distributed.symmetric_pool import (
@@ -26,6 +27,7 @@ __all__ = [
     "SymmetricPool",
     "disable_multicast_env",
     "get_pool",
+    "group_from_name",
     "init_distributed",
     "set_pool",
 ]

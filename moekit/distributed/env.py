@@ -2,7 +2,8 @@
 
 ``torchrun`` exports ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``;
 :func:`init_distributed` turns them into an initialised default process group and pins the CUDA
-device to ``LOCAL_RANK``.
+device to ``LOCAL_RANK``. :func:`group_from_name` finds a group by its ``group_name`` (what the
+ops' custom ops take in place of a ProcessGroup).
 
 NVLink SHARP / multicast objects are forbidden on the machines moekit is tested on (and moekit's
 kernels never need them): :func:`disable_multicast_env` sets ``NCCL_NVLS_ENABLE=0``,
@@ -20,6 +21,14 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+__all__ = [
+    "NO_MULTICAST_ENV",
+    "DistInfo",
+    "disable_multicast_env",
+    "group_from_name",
+    "init_distributed",
+]
 
 NO_MULTICAST_ENV: dict[str, str] = {
     "NCCL_NVLS_ENABLE": "0",
@@ -85,3 +94,18 @@ def init_distributed(
         device=device,
         group=dist.group.WORLD,
     )
+
+
+def group_from_name(name: str) -> dist.ProcessGroup:
+    """The process group registered under ``name`` (its ``group_name``).
+
+    A torch.library custom op takes tensors and scalars, not a ProcessGroup, so an op that runs
+    a collective inside one takes the group's name and resolves it here, the way torch's own
+    functional collectives do (through the same c10d registry, which has no public accessor).
+    """
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._resolve_process_group(name)
+    except RuntimeError as e:
+        raise ValueError(f"group_name: no process group is registered as {name!r}") from e

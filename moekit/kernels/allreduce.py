@@ -1,27 +1,30 @@
 """All-reduce (+ residual add)(+ RMSNorm) over symmetric memory: one Triton kernel per rank.
 
-Every rank owns one symmetric buffer (:class:`moekit.distributed.SymmetricPool`), mapped into every
-peer's address space. The kernels receive ``peer_bases[W]`` (int64, device), the address of each
-rank's buffer as seen from this GPU, cast them with ``tl.pointer_type`` and read the peers' data
-directly over NVLink. No multicast (``multimem``) instruction is used anywhere.
+Every rank owns one buffer of a symmetric pool (:class:`moekit.distributed.SymmetricPool`),
+mapped into every peer's address space. The kernel receives ``peer_bases[W]`` (int64, device),
+the address of each rank's buffer as seen from this GPU, casts them with ``tl.pointer_type`` and
+reads or writes the peers' memory directly over NVLink. No multicast (``multimem``) instruction
+is used anywhere.
 
-Buffer layout (bytes, identical on every rank; ``D = DATA_OFFSET``, ``S`` = half size)::
+Workspace layout inside each pool buffer (bytes, identical on every rank, :class:`Workspace`;
+``D = DATA_OFFSET``, ``S`` = half size, ``P`` = Lamport slot size)::
 
     [0, SIGNAL_BYTES)    signal: int32 flags[NUM_CHANNELS][MAX_BLOCKS][MAX_WORLD]
     [D, D + S)           half 0: every rank's copy of its own x [T, H]   (even launch epochs)
     [D + S, D + 2·S)     half 1: the same                                 (odd launch epochs)
-    [L, L + 2·W·P)       Lamport region: slots[2 parities][W ranks][P bytes], sentinel-filled
+    [L, L + 2·W·P)       Lamport region: slots[2 parities][W ranks][P bytes]
 
-``S = half_bytes(capacity)``; a call needs ``T·H·e ≤ S`` (:func:`workspace_bytes` = 2·T·H·e).
-``L`` = ``D + 2·S``; ``P`` = the pool's Lamport slot size (lamport needs ``T·H·e ≤ P``,
-lamport_two_shot ``2·W·⌈T/W⌉·H·e ≤ W·P``: :func:`lamport_fits`).
+The pool's buffer starts zeroed, which is the initial state of every region: flags below the
+first epoch, and every Lamport element empty (the sentinel is +0.0, all bits zero). A call needs
+``T·H·e ≤ S`` (:func:`workspace_bytes` = 2·T·H·e); lamport needs ``T·H·e ≤ P`` and
+lamport_two_shot ``2·W·⌈T/W⌉·H·e ≤ W·P`` (:meth:`Workspace.lamport_fits`).
 
-Launch epoch: each rank keeps ``ctl[2]`` int32 on the device (``[0]`` the epoch of the last
-launch, ``[1]`` an arrival counter). Every program of a launch reads ``E = ctl[0] + 1`` at its
-start; the last program to finish (counted with one atomic) writes ``ctl[0] = E`` and resets the
-counter, so all programs of a launch agree on ``E`` and consecutive launches (eager, or CUDA-graph
-replays) advance it by one with no reset and no host involvement. Every rank makes the same calls,
-so ``E`` is the same on every rank for the same call.
+Launch epoch: each rank keeps ``ctl[2]`` int32 on the device (the pool's ``epochs``: ``[0]`` the
+epoch of the last launch, ``[1]`` an arrival counter). Every program of a launch reads
+``E = ctl[0] + 1`` at its start; the last program to finish (counted with one atomic) writes
+``ctl[0] = E`` and resets the counter, so all programs of a launch agree on ``E`` and consecutive
+launches (eager, or CUDA-graph replays) advance it by one with no reset and no host involvement.
+Every rank makes the same calls, so ``E`` is the same on every rank for the same call.
 
 Double buffering (why one barrier is enough): launch ``E`` uses data half ``E & 1`` and flag
 channels ``2·(E & 1) + k``. A rank starts launch ``E + 2`` (which overwrites half ``E & 1``) only
@@ -46,40 +49,52 @@ no staging copy of x); barrier; reduce: each rank sums the W slots of its own ha
 rank order), adds the residual and writes the rounded residual_out into its own slot (row
 rank·C + i, already consumed); barrier; all-gather: every rank reads chunk q from rank q's half
 (row q·C + i) and normalises every row locally (same code on the same bits → identical outputs).
-Two barriers per launch. (``two_shot_staged=True`` keeps the earlier form for comparison: stage x
-into the own half, barrier, reduce by reading the peers' halves.)
+Two barriers per launch.
 
-lamport (latency, 16-bit dtypes): no barrier at all. The Lamport region starts out filled with the
-sentinel -0.0 (bits 0x8000) and is returned to that state by every launch. Rank r writes its rows
-of x, with -0.0 replaced by +0.0 (same value), straight into slot r of every rank's region (remote
-stores); each rank then reads its own W slots of the same rows, spinning while any element is
-still the sentinel, sums in rank order, adds the residual, normalises, and puts the sentinel back
-in the slots it read. Data arrival is the synchronisation: one one-way NVLink trip instead of a
-barrier round trip plus remote reads. Slots alternate with the epoch parity: a peer can run at most
-one launch ahead (its launch cannot finish without this rank's data for it), so the slots a rank
-clears during launch E are next written by launch E + 2, which starts only after launch E here has
+lamport (latency, 16-bit dtypes): no barrier at all. Every element of the Lamport region is the
+sentinel +0.0 (bits 0) between launches. Rank r writes its rows of x, with ±0.0 replaced by -0.0
+(same value in the sum), straight into slot r of every rank's region (remote stores); each rank
+then reads its own W slots of the same rows, spinning while any element is still the sentinel,
+sums in rank order, adds the residual, normalises, and puts the sentinel back in the slots it
+read. Data arrival is the synchronisation: one one-way NVLink trip instead of a barrier round
+trip plus remote reads. Slots alternate with the epoch parity: a peer can run at most one launch
+ahead (its launch cannot finish without this rank's data for it), so the slots a rank clears
+during launch E are next written by launch E + 2, which starts only after launch E here has
 finished. fp32 has no spare bit pattern that every input could avoid, so it stays on one_shot.
 
 Programs are persistent (grid ≤ SM count, ≤ MAX_BLOCKS) so that every program of every rank is
-co-resident.
-
-Launch cost: :class:`FusedAllreducePlan` holds everything static about a call (grid, constexprs,
-the compiled kernel once it exists) and re-launches the compiled kernel directly, skipping Triton's
-per-call argument binding and cache lookup (the ops cache one plan per shape/dtype/group).
+co-resident. Launch shapes are chosen in :mod:`moekit.tuning.allreduce`; launches go through
+:func:`moekit.runtime.replay.launch`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
-from triton import knobs as _knobs
 
-from moekit.config import interpret_mode
-from moekit.kernels.rmsnorm import block_h, num_warps_for
+from moekit.kernels.rmsnorm import block_h
+from moekit.runtime.replay import launch
+from moekit.tuning.allreduce import LAMPORT_ALGOS, TWO_SHOT_ALGOS, AllreduceConfig
+
+__all__ = [
+    "ALGOS",
+    "CTL_WORDS",
+    "LAMPORT_SENTINEL_BITS",
+    "MAX_BLOCKS",
+    "MAX_FUSED_H",
+    "MAX_WORLD",
+    "SIGNAL_BYTES",
+    "Workspace",
+    "fused_allreduce",
+    "workspace",
+    "workspace_bytes",
+]
 
 # ----------------------------------------------------------------------------------------------
-# constants (the buffer layout above)
+# constants (the workspace layout above)
 # ----------------------------------------------------------------------------------------------
 MAX_WORLD = 8  # ranks in one NVLink domain that the flag layout has room for
 MAX_BLOCKS = 256  # programs per launch that the flag layout has room for
@@ -88,51 +103,25 @@ SIGNAL_BYTES = NUM_CHANNELS * MAX_BLOCKS * MAX_WORLD * 4
 DATA_OFFSET = SIGNAL_BYTES  # 32 KiB, 128-byte aligned
 CTL_WORDS = 2  # ctl[0] launch epoch, ctl[1] arrival counter (int32, local to each rank)
 MAX_FUSED_H = 16384  # widest row the cross-rank kernels keep in registers
-GATHER_TILE_MAX = 32768  # two_shot gathers a [W, H] tile when it has at most this many elements
 EPOCH_MASK = 0x3FFFFFFF  # epochs wrap inside int32; equality (not ≥) keeps the wrap safe
 HALF_ALIGN = 256  # bytes; keeps the second half 16-element aligned for every dtype
+LAMPORT_ALIGN = 256  # bytes; Lamport slots start aligned like the halves
+LAMPORT_SENTINEL_BITS = 0  # int16 view of bf16/fp16 +0.0: "not written yet" (a zeroed buffer)
+NEG_ZERO_BITS = -32768  # int16 view of bf16/fp16 -0.0 (0x8000), sent in place of ±0.0
 
 # the same numbers as constexpr, for use inside @triton.jit functions
 _MAX_WORLD = tl.constexpr(MAX_WORLD)
 _MAX_BLOCKS = tl.constexpr(MAX_BLOCKS)
 _DATA_OFFSET = tl.constexpr(DATA_OFFSET)
 _EPOCH_MASK = tl.constexpr(EPOCH_MASK)
-
-LAMPORT_ALIGN = 256  # bytes; Lamport slots start aligned like the halves
-LAMPORT_SENTINEL_BITS = -32768  # int16 view of bf16/fp16 -0.0 (0x8000): "not written yet"
 _LAMPORT_SENTINEL_BITS = tl.constexpr(LAMPORT_SENTINEL_BITS)
+_NEG_ZERO_BITS = tl.constexpr(NEG_ZERO_BITS)
 
 ALGOS = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
-LAMPORT_ALGOS = ("lamport", "lamport_two_shot")
-
-
-def half_bytes(capacity: int) -> int:
-    """Bytes of one of the two data halves of a pool whose data region has ``capacity`` bytes."""
-    return (capacity // 2) // HALF_ALIGN * HALF_ALIGN
-
-
-def lamport_region_bytes(world: int, slot_bytes: int) -> int:
-    """Bytes of the Lamport region: two parities × ``world`` slots of ``slot_bytes``."""
-    return 2 * world * slot_bytes
-
-
-def lamport_fits(T: int, H: int, element_size: int, algo: str, world: int, slot_bytes: int) -> bool:
-    """Whether a Lamport call fits a region of ``world`` slots of ``slot_bytes`` per parity:
-    one-shot needs T·H·e per slot; two-shot needs 2·W·⌈T/W⌉·H·e in all (scatter + gather)."""
-    if element_size != 2:
-        return False
-    if algo == "lamport":
-        return T * H * element_size <= slot_bytes
-    return 2 * world * (-(-T // world)) * H * element_size <= world * slot_bytes
-
-
-def lamport_offset(capacity: int) -> int:
-    """Byte offset of the Lamport region from the start of a pool buffer (after both halves)."""
-    return DATA_OFFSET + 2 * half_bytes(capacity)
 
 
 def workspace_bytes(T: int, H: int, element_size: int, algo: str, world: int = 1) -> int:
-    """Bytes of the pool's data region a call needs (both halves; the signal region is extra).
+    """Bytes of the data halves a call needs (both halves; the signal region is extra).
 
     one_shot stages ``x`` into one half; two_shot scatters it into the owners' halves in ``world``
     slots of ⌈T / world⌉ rows (and writes its reduced chunk in place); lamport uses its own slots.
@@ -144,6 +133,42 @@ def workspace_bytes(T: int, H: int, element_size: int, algo: str, world: int = 1
         rows = 0
     n = rows * H * element_size
     return 2 * ((n + HALF_ALIGN - 1) // HALF_ALIGN * HALF_ALIGN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workspace:
+    """Where the all-reduce's regions lie in every rank's pool buffer (see the module docstring)."""
+
+    half_bytes: int  # bytes of each data half (the most one call can stage)
+    lamport_offset: int  # byte offset of the Lamport region
+    lamport_slot_bytes: int  # bytes of one Lamport slot; 0: no Lamport region
+
+    def fits(self, T: int, H: int, element_size: int, algo: str, world: int) -> bool:
+        """Whether a one_shot / two_shot call's data fits a half (always for lamport)."""
+        return workspace_bytes(T, H, element_size, algo, world) // 2 <= self.half_bytes
+
+    def lamport_fits(self, T: int, H: int, element_size: int, algo: str, world: int) -> bool:
+        """Whether a ``lamport`` / ``lamport_two_shot`` call fits the slots (16-bit only):
+        one-shot needs T·H·e per slot; two-shot 2·W·⌈T/W⌉·H·e in all (scatter + gather)."""
+        if element_size != 2:
+            return False
+        if algo == "lamport":
+            return T * H * element_size <= self.lamport_slot_bytes
+        return 2 * world * (-(-T // world)) * H * element_size <= world * self.lamport_slot_bytes
+
+
+def workspace(nbytes: int, world: int, lamport_slot_bytes: int) -> Workspace | None:
+    """The workspace in a pool buffer of ``nbytes``: the signal region, the Lamport region of
+    ``2·world`` slots of ``lamport_slot_bytes`` (rounded down to LAMPORT_ALIGN; none when the
+    buffer has no room for it), and two halves of what remains. None when the buffer cannot
+    even hold the signal region."""
+    if nbytes < SIGNAL_BYTES:
+        return None
+    slot = max(lamport_slot_bytes, 0) // LAMPORT_ALIGN * LAMPORT_ALIGN
+    if SIGNAL_BYTES + 2 * world * slot > nbytes:
+        slot = 0
+    half = (nbytes - SIGNAL_BYTES - 2 * world * slot) // 2 // HALF_ALIGN * HALF_ALIGN
+    return Workspace(half, DATA_OFFSET + 2 * half, slot)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,8 +289,10 @@ def _lamport_wait_sum(own_slots, own_base, slot_stride, offset, cols, mask, dtyp
 
 @triton.jit
 def _not_sentinel(v):
-    """-0.0 marks an empty Lamport element: send +0.0 instead (the same value)."""
-    return tl.where(v == 0, tl.zeros_like(v), v)
+    """+0.0 (all bits zero) marks an empty Lamport element: send -0.0 instead (the same value
+    in every sum, since the readers' fp32 accumulators start at +0.0)."""
+    neg_zero = tl.full(v.shape, _NEG_ZERO_BITS, tl.int16).to(v.dtype, bitcast=True)
+    return tl.where(v == 0, neg_zero, v)
 
 
 @triton.jit
@@ -331,7 +358,6 @@ def _allreduce_fused_kernel(
     WORLD_P2: tl.constexpr,
     BLOCK_H: tl.constexpr,
     TWO_SHOT: tl.constexpr,
-    PUSH: tl.constexpr,  # two_shot: scatter x into the owners' halves instead of staging it
     LAMPORT: tl.constexpr,
     SPLIT: tl.constexpr,  # lamport: column pieces per row in the push phases
     GATHER_TILE: tl.constexpr,  # two_shot: gather all W rows of an index as one [W, H] tile
@@ -461,25 +487,16 @@ def _allreduce_fused_kernel(
                 )
     else:
         C64 = tl.cast(rows_per_rank, tl.int64)
-        if PUSH:
-            # scatter: row i of chunk q goes straight into slot `rank` of rank q's half (row
-            # rank·C + i there): the reduce below then reads only local memory, and x is not
-            # first copied into the own buffer
-            for i in range(pid, rows_per_rank, num_progs):
-                for q in tl.static_range(WORLD):
-                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
-                    m = cmask & (r64 < T)
-                    v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
-                    dst = _data_ptr(peer_bases_ptr, q, half_off, dtype)
-                    tl.store(dst + (rank * C64 + i) * H64 + cols, v, mask=m)
-        else:
-            # stage: this program's local index i of every rank's chunk
-            for i in range(pid, rows_per_rank, num_progs):
-                for q in tl.static_range(WORLD):
-                    r64 = tl.cast(q * rows_per_rank + i, tl.int64)
-                    m = cmask & (r64 < T)
-                    v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
-                    tl.store(own_in + r64 * H64 + cols, v, mask=m)
+        # scatter: row i of chunk q goes straight into slot `rank` of rank q's half (row
+        # rank·C + i there): the reduce below then reads only local memory, and x is not first
+        # copied into the own buffer
+        for i in range(pid, rows_per_rank, num_progs):
+            for q in tl.static_range(WORLD):
+                r64 = tl.cast(q * rows_per_rank + i, tl.int64)
+                m = cmask & (r64 < T)
+                v = tl.load(x_ptr + r64 * stride_x_t + cols, mask=m)
+                dst = _data_ptr(peer_bases_ptr, q, half_off, dtype)
+                tl.store(dst + (rank * C64 + i) * H64 + cols, v, mask=m)
         _sync_peers(peer_bases_ptr, rank, channel, epoch, WORLD, WORLD_P2)
         # reduce-scatter: the rows of the own chunk, written back in place (rounded)
         for i in range(pid, rows_per_rank, num_progs):
@@ -487,16 +504,13 @@ def _allreduce_fused_kernel(
             m = cmask & (r64 < T)
             if HAS_RESIDUAL:
                 res = tl.load(res_ptr + r64 * stride_res_t + cols, mask=m, other=0.0)
-            if PUSH:  # Σ_r slot r, row i of the own half, in rank order
-                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-                for r in tl.static_range(WORLD):
-                    src = own_in + (r * C64 + i) * H64
-                    acc += tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
-            else:
-                acc = _sum_peers(peer_bases_ptr, half_off, r64 * H64, cols, m, dtype, WORLD)
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for r in tl.static_range(WORLD):  # Σ_r slot r, row i of the own half, in rank order
+                src = own_in + (r * C64 + i) * H64
+                acc += tl.load(src + cols, mask=m, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 acc += res.to(tl.float32)
-            # (PUSH: row rank·C + i is slot `rank`, this rank's own, already summed)
+            # (row rank·C + i is slot `rank`, this rank's own, already summed)
             tl.store(own_in + r64 * H64 + cols, acc.to(dtype), mask=m)
         _sync_peers(peer_bases_ptr, rank, channel + 1, epoch, WORLD, WORLD_P2)
         # all-gather + local norm of every row
@@ -541,221 +555,43 @@ def _allreduce_fused_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
-def _lamport_split(work: int, max_programs: int, BLOCK_H: int, num_warps: int) -> int:
-    """Column pieces per row for the Lamport push phases (``work`` rows to push per rank).
-
-    More pieces spread the remote stores over more SMs; measured on 4 H200s (bf16): 4 pieces
-    while the rows alone cannot fill the grid (T = 64, 256: 8.3 → 7.8 µs, 26.1 → 22.8 µs at
-    H = 7168), else 2 (T = 1024, H = 4096: 48.2 µs with 2, 49.9 with 4, 53.1 with 1). A piece
-    keeps ≥ 4 elements per thread. Always 1 in the interpreter: pieces make programs wait on
-    other programs of the same launch, which the interpreter runs one after another."""
-    if interpret_mode():
-        return 1
-    split = 4 if work < max_programs else 2
-    while split > 1 and BLOCK_H // split < 4 * 32 * num_warps:
-        split //= 2
-    return split
-
-
-def _grid_size(T: int, world: int, algo: str, max_programs: int, split: int = 1) -> int:
-    """One program per row (one_shot) or per row of a chunk (two_shot); the Lamport algorithms
-    also count the column pieces of their push phases. At most one per SM so that every program
-    of every rank is co-resident."""
-    work = triton.cdiv(T, world) if algo in ("two_shot", "lamport_two_shot") else T
-    if algo in LAMPORT_ALGOS and split > 1:
-        work = max(work * split, T)
-    return max(1, min(work, max_programs, MAX_BLOCKS))
-
-
-class FusedAllreducePlan:
-    """Everything static about one call shape of :func:`_allreduce_fused_kernel`, and its launch.
-
-    Built once per (T, H, dtypes, flags, pool) by the ops and reused: ``plan(x, residual, weight,
-    eps)`` allocates the outputs and launches. After the first launch the compiled kernel is kept
-    and re-launched directly (Triton's launcher, the same arguments Triton itself passes), which
-    skips the per-call argument binding, specialisation and cache lookup of ``kernel[grid](...)``.
-    The specialisation Triton would pick depends only on the static values held here and on the
-    16-byte alignment of the input pointers, which is part of the cache key of the compiled kernel.
-    Under ``TRITON_INTERPRET=1`` (or with Triton launch hooks installed) every launch takes the
-    ordinary ``kernel[grid](...)`` path.
-    """
-
-    __slots__ = (  # noqa: RUF023 (grouped by meaning)
-        "T", "H", "dtype", "device", "has_residual", "has_norm", "store_rstd", "two_shot",
-        "grid", "peer_bases", "ctl", "_static", "_meta", "_num_warps", "_compiled", "_direct",
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        *,
-        T: int,
-        H: int,
-        dtype: torch.dtype,  # x's dtype
-        device: torch.device,
-        has_residual: bool,
-        has_norm: bool,
-        store_rstd: bool,
-        peer_bases: torch.Tensor,  # [W] int64 on device
-        ctl: torch.Tensor,  # [≥ CTL_WORDS] int32 on device (the pool's epochs)
-        rank: int,
-        algo: str,  # one of ALGOS
-        max_programs: int,
-        half_bytes: int,  # bytes between the pool's two data halves
-        lamport_off: int = 0,  # bytes from a buffer's start to its Lamport region
-        lamport_slot_bytes: int = 0,  # bytes of one Lamport slot (0: no Lamport region)
-        two_shot_staged: bool = False,  # the older two_shot (stage, then pull) for comparison
-        lamport_split: int | None = None,  # override the push phases' column pieces (tuning)
-        num_warps: int | None = None,  # override the warps per program (tuning)
-        gather_tile: bool | None = None,  # override the two_shot gather layout (tuning)
-    ) -> None:
-        if algo not in ALGOS:
-            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-        world = peer_bases.numel()
-        if algo in LAMPORT_ALGOS:
-            if dtype not in (torch.bfloat16, torch.float16):
-                raise ValueError(f"{algo} needs bf16 or fp16 x, got {dtype}")
-            if not lamport_fits(T, H, 2, algo, world, lamport_slot_bytes):
-                raise ValueError(
-                    f"{algo} with T={T}, H={H} does not fit {world} Lamport slots of "
-                    f"{lamport_slot_bytes} B"
-                )
-        self.T, self.H, self.dtype, self.device = T, H, dtype, device
-        self.has_residual, self.has_norm = has_residual, has_norm
-        self.store_rstd = store_rstd and has_norm
-        self.two_shot = algo in ("two_shot", "lamport_two_shot")
-        self.peer_bases, self.ctl = peer_bases, ctl
-        BLOCK_H = block_h(H)
-        WORLD_P2 = triton.next_power_of_2(world)
-        if gather_tile is None:
-            # measured on 4 H200s (faster at every size); 2 ranks keep the row-by-row gather
-            # their results were measured with (docs/allreduce_rmsnorm.md)
-            gather_tile = world >= 4 and WORLD_P2 * BLOCK_H <= GATHER_TILE_MAX
-        gather_tile = gather_tile and algo == "two_shot"
-        if num_warps is None:
-            if gather_tile:  # ≤ 32 fp32 values of the [W, H] tile per thread
-                num_warps = max(4, min(16, WORLD_P2 * BLOCK_H // (32 * 32)))
-            elif algo == "two_shot" and BLOCK_H <= 8192:
-                # row by row, 4 warps with long rows per thread measured best on 4 H200s at
-                # T = 16384 (H = 7168: 1137 µs vs 1146 with 8 or 16)
-                num_warps = 4
-            else:
-                num_warps = num_warps_for(BLOCK_H)
-        self._num_warps = num_warps
-        work = triton.cdiv(T, world) if algo == "lamport_two_shot" else T
-        max_p = min(max_programs, MAX_BLOCKS)
-        split = _lamport_split(work, max_p, BLOCK_H, num_warps) if algo in LAMPORT_ALGOS else 1
-        if lamport_split is not None and algo in LAMPORT_ALGOS and not interpret_mode():
-            split = lamport_split
-        self.grid = _grid_size(T, world, algo, max_programs, split)
-        # (T, H, rows_per_rank, rank, half_bytes, lamport_off, slot_bytes)
-        self._static = (T, H, triton.cdiv(T, world), rank, half_bytes, lamport_off,
-                        lamport_slot_bytes)  # fmt: skip
-        push = algo == "two_shot" and not two_shot_staged
-        self._meta = (world, WORLD_P2, BLOCK_H, self.two_shot, push, algo in LAMPORT_ALGOS,
-                      split, gather_tile, has_residual, has_norm, self.store_rstd)  # fmt: skip
-        self._compiled: dict[int, object] = {}  # input-alignment bits → CompiledKernel
-        self._direct = device.type == "cuda" and not interpret_mode()
-
-    def __call__(
-        self,
-        x: torch.Tensor,  # [T, H] contiguous
-        residual: torch.Tensor | None,  # [T, H] contiguous, or None
-        weight: torch.Tensor | None,  # [H], or None
-        eps: float,
-    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        T, H = self.T, self.H
-        ro = torch.empty((T, H), dtype=self.dtype, device=self.device)
-        y = torch.empty((T, H), dtype=self.dtype, device=self.device) if self.has_norm else None
-        rstd = (
-            torch.empty((T,), dtype=torch.float32, device=self.device) if self.store_rstd else None
-        )
-        if T == 0:
-            return y, ro, rstd
-        res = residual if residual is not None else x
-        w = weight if weight is not None else x
-        args = (
-            x, res, w, ro,
-            y if y is not None else ro,
-            rstd if rstd is not None else ro,
-            self.peer_bases, self.ctl,
-            *self._static, eps,
-            H, H if residual is not None else 0, H, H if y is not None else 0,
-            *self._meta,
-        )  # fmt: skip
-        if not self._direct:
-            self._launch_jit(args)
-            return y, ro, rstd
-        # Triton specialises pointers on 16-byte alignment; outputs and pool tensors are aligned
-        key = (
-            (x.data_ptr() & 15 == 0)
-            | (res.data_ptr() & 15 == 0) << 1
-            | (w.data_ptr() & 15 == 0) << 2
-        )
-        ck = self._compiled.get(key)
-        hooks = _knobs.runtime
-        if ck is None or hooks.launch_enter_hook.calls or hooks.launch_exit_hook.calls:
-            ck = self._launch_jit(args)
-            if ck is not None and all(hasattr(ck, a) for a in ("function", "packed_metadata")):
-                self._compiled[key] = ck
-            return y, ro, rstd
-        stream = _current_stream(self.device.index)
-        ck.run(self.grid, 1, 1, stream, ck.function, ck.packed_metadata, None,
-               hooks.launch_enter_hook, hooks.launch_exit_hook, *args)  # fmt: skip
-        return y, ro, rstd
-
-    def _launch_jit(self, args: tuple) -> object:
-        n_meta = len(self._meta)
-        return _allreduce_fused_kernel[(self.grid,)](
-            *args[:-n_meta],
-            WORLD=self._meta[0],
-            WORLD_P2=self._meta[1],
-            BLOCK_H=self._meta[2],
-            TWO_SHOT=self._meta[3],
-            PUSH=self._meta[4],
-            LAMPORT=self._meta[5],
-            SPLIT=self._meta[6],
-            GATHER_TILE=self._meta[7],
-            HAS_RESIDUAL=self._meta[8],
-            HAS_NORM=self._meta[9],
-            STORE_RSTD=self._meta[10],
-            num_warps=self._num_warps,
-        )
-
-
-def _current_stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
-
-
-def allreduce_fused(
-    x: torch.Tensor,  # [T, H] bf16 / fp16 / fp32, contiguous
+def fused_allreduce(
+    x: torch.Tensor,  # [T, H], T > 0, unit column stride
     residual: torch.Tensor | None,  # [T, H] like x, or None
     weight: torch.Tensor | None,  # [H] (x's dtype or fp32), or None for no norm
+    ro: torch.Tensor,  # [T, H] out: Σ_r x_r (+ residual)
+    y: torch.Tensor | None,  # [T, H] out: RMSNorm(ro) · weight (with weight)
+    rstd: torch.Tensor | None,  # [T] fp32 out, or None
+    peer_bases: torch.Tensor,  # [W] int64: every rank's pool buffer, as seen from this GPU
+    epochs: torch.Tensor,  # [≥ CTL_WORDS] int32: this rank's launch epoch, arrival counter
     eps: float,
     *,
-    peer_bases: torch.Tensor,  # [W] int64 on x's device
-    epochs: torch.Tensor,  # [≥ CTL_WORDS] int32 on x's device (launch epoch, arrival counter)
     rank: int,
     algo: str,  # one of ALGOS
-    max_programs: int,
-    half_bytes: int,  # bytes between the two data halves (:func:`half_bytes` of the capacity)
-    store_rstd: bool = False,
-    lamport_off: int = 0,  # bytes from a buffer's start to its Lamport region
-    lamport_slot_bytes: int = 0,
-    two_shot_staged: bool = False,
-    gather_tile: bool | None = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """One-off launch (builds a :class:`FusedAllreducePlan` and calls it).
-
-    Returns ``(normed | None, residual_out, rstd | None)``. Without ``residual`` and ``weight``
-    this is a plain all-reduce (``residual_out`` = Σ_r x_r). ``T·H·e`` must fit in ``half_bytes``;
-    the caller checks.
-    """
+    space: Workspace,
+    config: AllreduceConfig,
+) -> None:
+    """Launch the fused kernel: ``ro = round(Σ_r x_r + residual)`` (fp32 sum in rank order),
+    ``y = RMSNorm(ro) · weight``. Every rank of ``peer_bases`` must make the same call."""
     T, H = x.shape
-    plan = FusedAllreducePlan(
-        T=T, H=H, dtype=x.dtype, device=x.device, has_residual=residual is not None,
-        has_norm=weight is not None, store_rstd=store_rstd, peer_bases=peer_bases, ctl=epochs,
-        rank=rank, algo=algo, max_programs=max_programs, half_bytes=half_bytes,
-        lamport_off=lamport_off, lamport_slot_bytes=lamport_slot_bytes,
-        two_shot_staged=two_shot_staged, gather_tile=gather_tile,
+    world = peer_bases.numel()
+    launch(
+        _allreduce_fused_kernel, (config.grid,),
+        x, residual if residual is not None else x, weight if weight is not None else x, ro,
+        y if y is not None else ro, rstd if rstd is not None else ro, peer_bases, epochs,
+        T, H, triton.cdiv(T, world), rank, space.half_bytes, space.lamport_offset,
+        space.lamport_slot_bytes, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, ro.stride(0),
+        y.stride(0) if y is not None else 0,
+        WORLD=world,
+        WORLD_P2=triton.next_power_of_2(world),
+        BLOCK_H=block_h(H),
+        TWO_SHOT=algo in TWO_SHOT_ALGOS,
+        LAMPORT=algo in LAMPORT_ALGOS,
+        SPLIT=config.split,
+        GATHER_TILE=config.gather_tile,
+        HAS_RESIDUAL=residual is not None,
+        HAS_NORM=weight is not None,
+        STORE_RSTD=rstd is not None,
+        num_warps=config.num_warps,
     )  # fmt: skip
-    return plan(x, residual, weight, eps)

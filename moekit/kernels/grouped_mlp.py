@@ -20,28 +20,27 @@ BLOCK_N F-columns reads rows [f % I, f % I + BLOCK_N) of chunk f // I, half 0 (g
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import triton
 import triton.language as tl
 
+from moekit.activations import Activation
 from moekit.config import interpret_mode
-from moekit.kernels._replay import launch as _launch
-from moekit.kernels._runtime import device_sms, ensure_scratch_allocator
-from moekit.kernels.grouped_gemm import (
-    GemmConfig,
-    _next_deal_start,
-    _pick_config,
-    _ragged_m_schedule,
-    _ragged_m_tile,
-    _ragged_rows_at,
-    _ragged_rows_desc,
-    _split_small_experts,
-    routing_robust_tuning,
+from moekit.kernels.ragged import (
+    next_deal_start,
+    ragged_m_schedule,
+    ragged_m_tile,
+    ragged_rows_at,
+    ragged_rows_desc,
+    split_small_experts,
 )
+from moekit.runtime.device import ensure_scratch_allocator, num_sms
+from moekit.runtime.replay import launch
+from moekit.tuning.grouped_gemm import GemmConfig
 
-# activation codes (constexpr ACT); names as in moekit.reference.activations
+__all__ = ["ACT_CODES", "grouped_mlp_dact", "grouped_mlp_fc1", "segment_colsum"]
+
+# activation codes (constexpr ACT); names as in moekit.activations
 ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "relu2": 3, "gelu": 4, "silu": 5}
 
 
@@ -114,13 +113,13 @@ def _gate_cols(f, I):
 @triton.jit
 def _ragged_glu_desc(ptr, R, F, I, stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """Descriptor over a gated [R, 2F] pre-activation (or its gradient) that clips rows at a
-    per-access expert end (the ``_ragged_rows_desc`` trick, same coordinates and the same
+    per-access expert end (the ``ragged_rows_desc`` trick, same coordinates and the same
     precondition end >= BLOCK_M) and columns at each GLU block.
 
     5-D: [R, BLOCK_M, F / I, 2, I] with strides [stride, stride, 2I, I, 1] and base ``ptr``. The
     gate columns of F-units [f, f + C) are block (f // I, 0, f % I), the up columns
     (f // I, 1, f % I); with halves (I = F) the TMA bound clips a tile's tail at F instead of
-    spilling into the up half. (Ungated tensors [R, F] use the 3-D ``_ragged_rows_desc``.)
+    spilling into the up half. (Ungated tensors [R, F] use the 3-D ``ragged_rows_desc``.)
     """
     return tl.make_tensor_descriptor(
         ptr,
@@ -150,7 +149,7 @@ def _grouped_mlp_fc1_kernel(
 ):  # fmt: skip
     dtype = a_ptr.dtype.element_ty
     pid = tl.program_id(0)
-    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = _ragged_m_schedule(
+    offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = ragged_m_schedule(
         offsets_ptr, E, R, BLOCK_M, BLOCK_E
     )
     num_n = tl.cdiv(F, BLOCK_N)
@@ -174,7 +173,7 @@ def _grouped_mlp_fc1_kernel(
         )
 
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        e, off_m, row_end, pid_n = _ragged_m_tile(
+        e, off_m, row_end, pid_n = ragged_m_tile(
             tile, offs_e, starts, ends, m_tiles, cum_m_tiles, total_m, num_n, BLOCK_M, GROUP_M
         )
         off_f = pid_n * BLOCK_N
@@ -239,7 +238,7 @@ def _dact_epilogue(
     dtype = dh_desc.dtype
     rows = off_m + tl.arange(0, BLOCK_M)
     cols = off_f + tl.arange(0, BLOCK_C)
-    j, i = _ragged_rows_at(off_m, row_end, BLOCK_M)
+    j, i = ragged_rows_at(off_m, row_end, BLOCK_M)
     fb = off_f // I
     fi = off_f % I
     mask = (rows < row_end)[:, None] & (cols < F)[None, :]
@@ -353,7 +352,7 @@ def _grouped_mlp_dact_kernel(
     FLATTEN: tl.constexpr, SUBTILE: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    offs_e, starts, ends, m_tiles, _, _ = _ragged_m_schedule(offsets_ptr, E, R, BLOCK_M, BLOCK_E)
+    offs_e, starts, ends, m_tiles, _, _ = ragged_m_schedule(offsets_ptr, E, R, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(F, BLOCK_N)
     k_tiles = tl.cdiv(H, BLOCK_K)
     dy_desc = tl.make_tensor_descriptor(
@@ -372,18 +371,18 @@ def _grouped_mlp_dact_kernel(
         h_desc = _ragged_glu_desc(h_ptr, R, F, I, stride_h, BLOCK_M, EPI_N)
         dh_desc = _ragged_glu_desc(dh_ptr, R, F, I, stride_dh, BLOCK_M, EPI_N)
     else:
-        h_desc = _ragged_rows_desc(h_ptr, R, F, stride_h, BLOCK_M, EPI_N)
-        dh_desc = _ragged_rows_desc(dh_ptr, R, F, stride_dh, BLOCK_M, EPI_N)
-    a_desc = _ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, EPI_N)
+        h_desc = ragged_rows_desc(h_ptr, R, F, stride_h, BLOCK_M, EPI_N)
+        dh_desc = ragged_rows_desc(dh_ptr, R, F, stride_dh, BLOCK_M, EPI_N)
+    a_desc = ragged_rows_desc(a_ptr, R, F, stride_a, BLOCK_M, EPI_N)
 
     # Experts ending within the first BLOCK_M rows cannot be bounded by the row-bounded
     # descriptors: their tiles (one m-tile each) run after the main loop with pointer loads
     # and stores, keeping the main loop's epilogue free of data-dependent branches.
-    main_m, cum_main, total_main, small_m, cum_small, total_small = _split_small_experts(
+    main_m, cum_main, total_main, small_m, cum_small, total_small = split_small_experts(
         ends, m_tiles, BLOCK_M
     )
     for tile in tl.range(pid, total_main * num_n, NUM_PROGRAMS, flatten=FLATTEN):
-        e, off_m, row_end, pid_n = _ragged_m_tile(
+        e, off_m, row_end, pid_n = ragged_m_tile(
             tile, offs_e, starts, ends, main_m, cum_main, total_main, num_n, BLOCK_M, GROUP_M
         )
         _dact_tile(
@@ -392,9 +391,9 @@ def _grouped_mlp_dact_kernel(
             stride_part, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, STORE_A, BLOCK_M,
             BLOCK_N, BLOCK_K, SUBTILE, True,
         )  # fmt: skip
-    small_start = _next_deal_start(pid, total_main * num_n, NUM_PROGRAMS)
+    small_start = next_deal_start(pid, total_main * num_n, NUM_PROGRAMS)
     for tile in tl.range(small_start, total_small * num_n, NUM_PROGRAMS):
-        e, off_m, row_end, pid_n = _ragged_m_tile(
+        e, off_m, row_end, pid_n = ragged_m_tile(
             tile, offs_e, starts, ends, small_m, cum_small, total_small, num_n, BLOCK_M, 1
         )
         _dact_tile(
@@ -409,7 +408,7 @@ def _grouped_mlp_dact_kernel(
         tail_start = tl.max(ends, axis=0)
         zeros = tl.zeros((BLOCK_M,), dtype=tl.float32)
         tail_tiles = tl.cdiv(R - tail_start, BLOCK_M) * num_n
-        tail_first = _next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
+        tail_first = next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
         for tile in tl.range(tail_first, tail_tiles, NUM_PROGRAMS):
             rows = tail_start + (tile // num_n) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(dprobs_part_ptr + (tile % num_n) * stride_part + rows, zeros, mask=rows < R)
@@ -445,164 +444,90 @@ def _segment_colsum_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# configs and launchers
+# launchers
 # --------------------------------------------------------------------------------------------
-
-# BLOCK_N counts F-columns: a gated fc1 tile holds 2 * BLOCK_N accumulator columns.
-_INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
-_FC1_GATED_CANDIDATES = (
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
-    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-)
-_FC1_CANDIDATES = (
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
-)
-_DACT_CANDIDATES = (
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
-    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
-    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
-)
-
-
-def fused_block_n(block_n: int, interleave: int | None) -> int:
-    """The largest power-of-two tile width <= block_n that divides the GLU interleave (a tile
-    must not straddle a gate/up block); halves (interleave None) need no division."""
-    if interleave is None:
-        return block_n
-    while block_n > 16 and interleave % block_n:
-        block_n //= 2
-    return block_n
-
-
-def _fit(cfg: GemmConfig, interleave: int | None) -> GemmConfig:
-    bn = fused_block_n(cfg.block_n, interleave)
-    return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
-
-
-def _fit_all(cands, interleave) -> tuple[GemmConfig, ...]:
-    return tuple(dict.fromkeys(_fit(c, interleave) for c in cands))
-
-
-def dact_partial_rows(F: int, interleave: int | None) -> int:
-    """Rows of the dprobs-partials buffer that ``grouped_mlp_dact`` needs for any config it may
-    pick: one per BLOCK_N-wide F tile of the narrowest candidate."""
-    cands = (*_fit_all(_DACT_CANDIDATES, interleave), _fit(_INTERPRET_CONFIG, interleave))
-    return max(triton.cdiv(F, c.block_n) for c in cands)
 
 
 def grouped_mlp_fc1(
-    x: torch.Tensor,  # [R, H], unit stride along H
-    w1: torch.Tensor,  # [E, W1, H], unit stride along H
-    offsets: torch.Tensor,  # [E]
+    x: torch.Tensor,  # [R, H], TMA-ready rows
+    w1: torch.Tensor,  # [E, W1, H], TMA-ready rows
+    offsets: torch.Tensor,  # [E], contiguous
     a_out: torch.Tensor,  # [R, F] contiguous rows
     h_out: torch.Tensor | None,  # [R, W1] or None (do not store the pre-activation)
     probs: torch.Tensor | None,  # [R]
     b1: torch.Tensor | None,  # [E, W1] unit stride along W1
-    act: str,
-    gated: bool,
+    act: Activation,
     interleave: int | None,  # None = [gate | up] halves
-    limit: float = 7.0,
-    alpha: float = 1.702,
-    offset: float = 1.0,
-    config: GemmConfig | None = None,
+    config: GemmConfig,
 ) -> None:
     """a = act(x @ w1[e]^T + b1[e]) * probs per expert segment; h (pre-activation) if asked."""
     ensure_scratch_allocator()
     R, H = x.shape
     E = w1.shape[0]
     F = a_out.shape[1]
-    sms = device_sms(x)
+    sms = num_sms(x)
     dummy = a_out
-
-    def launch(cfg: GemmConfig, offs: torch.Tensor = offsets) -> None:
-        _launch(
-            _grouped_mlp_fc1_kernel, (sms,),
-            x, w1, h_out if h_out is not None else dummy, a_out,
-            probs if probs is not None else dummy, b1 if b1 is not None else dummy, offs,
-            R, H, F, E, interleave or F,
-            x.stride(0), w1.stride(0), w1.stride(1),
-            h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
-            b1.stride(0) if b1 is not None else 0,
-            GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
-            HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None, STORE_H=h_out is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-
-    if config is None:
-        cands = _fit_all(_FC1_GATED_CANDIDATES if gated else _FC1_CANDIDATES, interleave)
-        key = (H, F, E, gated, interleave, act, h_out is not None, probs is not None)
-        config = _pick_config(
-            "mlp_fc1", key, x.dtype, x.device, routing_robust_tuning(launch, R, E, offsets), cands,
-            _fit(_INTERPRET_CONFIG, interleave),
-        )  # fmt: skip
-    launch(config)
+    launch(
+        _grouped_mlp_fc1_kernel, (sms,),
+        x, w1, h_out if h_out is not None else dummy, a_out,
+        probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
+        R, H, F, E, interleave or F,
+        x.stride(0), w1.stride(0), w1.stride(1),
+        h_out.stride(0) if h_out is not None else 0, a_out.stride(0),
+        b1.stride(0) if b1 is not None else 0,
+        GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
+        OFFSET=act.offset, HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None,
+        STORE_H=h_out is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        NUM_PROGRAMS=sms, FLATTEN=config.flatten,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
 
 
 def grouped_mlp_dact(
-    dy: torch.Tensor,  # [R, H], unit stride along H
-    w2: torch.Tensor,  # [E, H, F], unit stride along F
-    offsets: torch.Tensor,  # [E]
+    dy: torch.Tensor,  # [R, H], TMA-ready rows
+    w2: torch.Tensor,  # [E, H, F], TMA-ready rows
+    offsets: torch.Tensor,  # [E], contiguous
     h: torch.Tensor,  # [R, W1] saved pre-activation
     probs: torch.Tensor | None,  # [R]
     dh_out: torch.Tensor,  # [R, W1]
     a_out: torch.Tensor | None,  # [R, F]: recomputed act(h) * probs, or None
-    part_out: torch.Tensor | None,  # [>= dact_partial_rows(F, interleave), R] fp32, with probs
-    act: str,
-    gated: bool,
+    part_out: torch.Tensor | None,  # [>= cdiv(F, BLOCK_N), R] fp32, with probs
+    act: Activation,
     interleave: int | None,
-    limit: float = 7.0,
-    alpha: float = 1.702,
-    offset: float = 1.0,
-    config: GemmConfig | None = None,
+    config: GemmConfig,
 ) -> torch.Tensor | None:
     """dh = act'(h) · ((dy @ w2[e]) * probs).
 
     With probs, also writes the per-F-tile partials of dprobs (Σ over the tile's columns of
     da · act(h)) into the first ``cdiv(F, BLOCK_N)`` rows of ``part_out`` and returns that view
-    (sum its rows for dprobs); the caller allocates ``part_out`` (see ``dact_partial_rows``) so
-    that every buffer of the op's launches is its own. Returns None without probs.
+    (sum its rows for dprobs); the caller allocates ``part_out`` so that every buffer of the
+    op's launches is its own. Returns None without probs.
     """
     ensure_scratch_allocator()
     R, H = dy.shape
     E, _, F = w2.shape
-    sms = device_sms(dy)
-
-    def launch(cfg: GemmConfig, offs: torch.Tensor = offsets) -> torch.Tensor | None:
-        num_n = triton.cdiv(F, cfg.block_n)
-        part = part_out[:num_n] if probs is not None else None
-        _launch(
-            _grouped_mlp_dact_kernel, (sms,),
-            dy, w2, h, probs if probs is not None else dh_out, dh_out,
-            part if part is not None else dh_out, a_out if a_out is not None else dh_out,
-            offs,
-            R, H, F, E, interleave or F,
-            dy.stride(0), w2.stride(0), w2.stride(1), h.stride(0), dh_out.stride(0),
-            part.stride(0) if part is not None else 0,
-            a_out.stride(0) if a_out is not None else F,  # a valid (unused) descriptor stride
-            GATED=gated, ACT=ACT_CODES[act], LIMIT=limit, ALPHA=alpha, OFFSET=offset,
-            HAS_PROBS=probs is not None, STORE_A=a_out is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=cfg.group_m,
-            NUM_PROGRAMS=sms, FLATTEN=cfg.flatten, SUBTILE=cfg.block_n >= 32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )  # fmt: skip
-        return part
-
-    if config is None:
-        key = (H, F, E, gated, interleave, act, a_out is not None, probs is not None)
-        config = _pick_config(
-            "mlp_dact", key, dy.dtype, dy.device, routing_robust_tuning(launch, R, E, offsets),
-            _fit_all(_DACT_CANDIDATES, interleave), _fit(_INTERPRET_CONFIG, interleave),
-        )  # fmt: skip
-    return launch(config)
+    sms = num_sms(dy)
+    num_n = triton.cdiv(F, config.block_n)
+    part = part_out[:num_n] if probs is not None else None
+    launch(
+        _grouped_mlp_dact_kernel, (sms,),
+        dy, w2, h, probs if probs is not None else dh_out, dh_out,
+        part if part is not None else dh_out, a_out if a_out is not None else dh_out,
+        offsets,
+        R, H, F, E, interleave or F,
+        dy.stride(0), w2.stride(0), w2.stride(1), h.stride(0), dh_out.stride(0),
+        part.stride(0) if part is not None else 0,
+        a_out.stride(0) if a_out is not None else F,  # a valid (unused) descriptor stride
+        GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
+        OFFSET=act.offset, HAS_PROBS=probs is not None, STORE_A=a_out is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        NUM_PROGRAMS=sms, FLATTEN=config.flatten, SUBTILE=config.block_n >= 32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return part
 
 
 def segment_colsum(
@@ -615,7 +540,7 @@ def segment_colsum(
     S = out.shape[0]
     block_n = 32 if interpret_mode() else 256
     grid = (S, triton.cdiv(N, block_n))
-    _launch(
+    launch(
         _segment_colsum_kernel, grid,
         x, out, offsets if offsets is not None else out,
         T, N, x.stride(0), out.stride(0),

@@ -9,12 +9,13 @@ Math, per row ``t`` of ``x [T, H]`` (fp32 inside the kernel, one rounding per st
 Backward, with ``g = dy · w`` and ``r̂ = r · rstd``::
 
     dr[t] = rstd[t] · (g − r̂ · mean_h(g · r̂)) + d_residual_out[t]
-    dw    = Σ_t dy[t] · r̂[t]          # fp32 partials per program, summed by the launcher
+    dw    = Σ_t dy[t] · r̂[t]          # fp32 partials per program, then summed
     dx = d_residual = dr              # the add routes the gradient to both inputs
 
 The normalisation reads the *rounded* residual stream ``r`` (what an unfused ``x + residual``
 followed by RMSNorm would see), so the fused and unfused paths agree up to the norm's own rounding.
-The cross-rank kernels in :mod:`moekit.kernels.allreduce` use the same row epilogue.
+The cross-rank kernels in :mod:`moekit.kernels.allreduce` use the same row epilogue. Launch
+shapes (warps, the backward's grid) are chosen in :mod:`moekit.tuning.allreduce`.
 """
 
 from __future__ import annotations
@@ -23,24 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.kernels._runtime import device_sms
+from moekit.runtime.replay import launch
 
-# Widest row the single-pass kernels hold in registers (fp32): beyond this a row would spill.
-MAX_FUSED_H = 65536
+__all__ = ["add_rmsnorm_bwd", "add_rmsnorm_fwd", "block_h"]
 
 
 def block_h(h: int) -> int:
     """Power-of-two tile that covers one row of ``h`` elements."""
     return triton.next_power_of_2(h)
-
-
-def num_warps_for(block: int) -> int:
-    """Warps per program for a row tile of ``block`` elements (≈ 16 fp32 values per thread)."""
-    if block >= 8192:
-        return 16
-    if block >= 2048:
-        return 8
-    return 4
 
 
 # ----------------------------------------------------------------------------------------------
@@ -143,77 +134,53 @@ def _add_rmsnorm_bwd_kernel(
 
 
 def add_rmsnorm_fwd(
-    x: torch.Tensor,  # [T, H], row stride free, unit column stride
+    x: torch.Tensor,  # [T, H], T > 0, row stride free, unit column stride
     residual: torch.Tensor | None,  # [T, H] like x, or None (plain RMSNorm)
     weight: torch.Tensor,  # [H]
+    y: torch.Tensor,  # [T, H] out: normed
+    ro: torch.Tensor | None,  # [T, H] out: residual_out (with a residual)
+    rstd: torch.Tensor | None,  # [T] fp32 out, or None
     eps: float,
-    *,
-    store_rstd: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch the forward kernel. Returns ``(y [T, H], residual_out [T, H], rstd [T] fp32 | None)``;
-    without a residual, ``residual_out`` is ``x`` itself (nothing is written)."""
+    num_warps: int,
+) -> None:
+    """Launch the forward kernel, one program per row."""
     T, H = x.shape
-    y = torch.empty_like(x)
-    ro = torch.empty_like(x) if residual is not None else x
-    rstd = torch.empty(T, dtype=torch.float32, device=x.device) if store_rstd else None
-    if T == 0:
-        return y, ro, rstd
-    BLOCK_H = block_h(H)
-    _add_rmsnorm_fwd_kernel[(T,)](
-        x,
-        residual if residual is not None else x,
-        weight,
-        y,
-        ro,
+    launch(
+        _add_rmsnorm_fwd_kernel, (T,),
+        x, residual if residual is not None else x, weight, y, ro if ro is not None else y,
         rstd if rstd is not None else y,
-        H,
-        eps,
-        x.stride(0),
-        residual.stride(0) if residual is not None else 0,
-        y.stride(0),
-        ro.stride(0),
-        BLOCK_H=BLOCK_H,
+        H, eps,
+        x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
+        ro.stride(0) if ro is not None else 0,
+        BLOCK_H=block_h(H),
         HAS_RESIDUAL=residual is not None,
-        STORE_RO=residual is not None,
-        STORE_RSTD=store_rstd,
-        num_warps=num_warps_for(BLOCK_H),
-    )
-    return y, ro, rstd
+        STORE_RO=ro is not None,
+        STORE_RSTD=rstd is not None,
+        num_warps=num_warps,
+    )  # fmt: skip
 
 
 def add_rmsnorm_bwd(
-    dy: torch.Tensor,  # [T, H] grad of y
+    dy: torch.Tensor,  # [T, H], T > 0: grad of y
     d_residual_out: torch.Tensor | None,  # [T, H] grad of residual_out, or None
     residual_out: torch.Tensor,  # [T, H] saved norm input
     weight: torch.Tensor,  # [H]
     rstd: torch.Tensor,  # [T] fp32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward kernel. Returns ``(dx [T, H] in dy's dtype, dw [H] in weight's dtype)``;
-    ``dx`` is also the gradient of the residual (the add routes it to both inputs)."""
+    dx: torch.Tensor,  # [T, H] out, in dy's dtype: grad of x (and of the residual)
+    dw_part: torch.Tensor,  # [grid, H] fp32 out: per-program partial sums of dw
+    num_warps: int,
+) -> None:
+    """Launch the persistent backward kernel on ``dw_part.shape[0]`` programs; dw is
+    ``dw_part.sum(0)``."""
     T, H = residual_out.shape
-    dx = torch.empty_like(dy)
-    sms = device_sms(dy)
-    grid = max(1, min(T, sms * 2))
-    dw_part = torch.empty((grid, H), dtype=torch.float32, device=dy.device)
-    if T == 0:
-        return dx, torch.zeros_like(weight)
-    BLOCK_H = block_h(H)
-    _add_rmsnorm_bwd_kernel[(grid,)](
-        dy,
-        d_residual_out if d_residual_out is not None else dy,
-        residual_out,
-        weight,
-        rstd,
-        dx,
+    launch(
+        _add_rmsnorm_bwd_kernel, (dw_part.shape[0],),
+        dy, d_residual_out if d_residual_out is not None else dy, residual_out, weight, rstd, dx,
         dw_part,
-        T,
-        H,
-        dy.stride(0),
-        d_residual_out.stride(0) if d_residual_out is not None else 0,
-        residual_out.stride(0),
-        dx.stride(0),
-        BLOCK_H=BLOCK_H,
+        T, H,
+        dy.stride(0), d_residual_out.stride(0) if d_residual_out is not None else 0,
+        residual_out.stride(0), dx.stride(0),
+        BLOCK_H=block_h(H),
         HAS_DRO=d_residual_out is not None,
-        num_warps=num_warps_for(BLOCK_H),
-    )
-    return dx, dw_part.sum(0).to(weight.dtype)
+        num_warps=num_warps,
+    )  # fmt: skip

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from moekit.ops.grouped_linear import grouped_linear
+from moekit.ops.grouped_linear import check_features, grouped_linear
 
 
 class GroupedLinear(nn.Module):
@@ -15,8 +15,10 @@ class GroupedLinear(nn.Module):
 
     ``forward(x, offsets)``: x [T, in_features] with rows grouped by expert, offsets [E]
     cumulative end offsets (int32/int64, on x's device) → [T, out_features]. Rows past
-    offsets[-1] give zeros. If ``weight.main_grad`` (fp32, weight's shape) exists, the weight
-    gradient accumulates into it in place instead of producing ``weight.grad``.
+    offsets[-1] give zeros. in_features and out_features must each span a multiple of 16
+    bytes of the parameters' dtype (8 elements for bf16/fp16, 4 for fp32), checked here. If
+    ``weight.main_grad`` (fp32, weight's shape) exists, the weight gradient accumulates into it
+    in place instead of producing ``weight.grad``.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class GroupedLinear(nn.Module):
                 "num_experts, in_features and out_features must be positive, got "
                 f"{num_experts}, {in_features}, {out_features}"
             )
+        check_features(in_features, out_features, dtype or torch.get_default_dtype())
         self.num_experts = num_experts
         self.in_features = in_features
         self.out_features = out_features

@@ -7,8 +7,9 @@ import math
 import torch
 from torch import nn
 
+from moekit.activations import Activation, resolve_activation
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.reference.activations import Activation, resolve_activation
+from moekit.ops.validation import check_byte_aligned
 
 
 class GroupedMLP(nn.Module):
@@ -19,7 +20,9 @@ class GroupedMLP(nn.Module):
     ``forward(x, offsets, probs=None)``: x [R, H] expert-sorted rows, offsets [E] cumulative
     end offsets on x's device, probs [R] optional routing probs scaling each row's activation
     output → [R, H]. When a weight has an fp32 ``main_grad`` attribute, its gradient
-    accumulates there in place instead of producing ``.grad``.
+    accumulates there in place instead of producing ``.grad``. ``hidden_size`` must span a
+    multiple of 16 bytes of the parameters' dtype (checked here); ``ffn_hidden_size`` may be
+    any size (see :func:`moekit.ops.grouped_mlp`).
     """
 
     def __init__(
@@ -40,6 +43,11 @@ class GroupedMLP(nn.Module):
                 "num_experts, hidden_size and ffn_hidden_size must be positive, got "
                 f"{num_experts}, {hidden_size}, {ffn_hidden_size}"
             )
+        # One rule on every path: the kernels read hidden rows of 16 bytes; an F whose rows are
+        # not 16-byte multiples runs the unfused composition (see moekit.ops.grouped_mlp).
+        check_byte_aligned(
+            "hidden_size", hidden_size, dtype or torch.get_default_dtype(), "hidden_size"
+        )
         self.activation = resolve_activation(activation)
         if glu_interleave is not None and (
             not self.activation.gated or glu_interleave <= 0 or ffn_hidden_size % glu_interleave

@@ -5,17 +5,20 @@ from __future__ import annotations
 
 import torch
 
-from moekit.ops._apply import direct_apply
-from moekit.ops._validate import check_dtype, check_ndim, check_tensor
-from moekit.ops.grouped_gemm import (
-    _ragged_k_op,
-    _ragged_k_out_op,
-    _ragged_m_op,
-    check_ragged_m_inputs,
-    segment_sum_rows,
+from moekit.ops.custom_op import function_apply
+from moekit.ops.grouped_gemm import ragged_k, ragged_k_out, ragged_m, segment_sum_rows
+from moekit.ops.validation import (
+    FLOAT_DTYPES,
+    check_byte_aligned,
+    check_dtype,
+    check_interpretable,
+    check_ndim,
+    check_offsets,
+    check_same_device,
+    check_tensor,
 )
 
-__all__ = ["grouped_linear"]
+__all__ = ["check_features", "grouped_linear"]
 
 
 class _GroupedLinearFn(torch.autograd.Function):
@@ -26,7 +29,7 @@ class _GroupedLinearFn(torch.autograd.Function):
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grad = main_grad
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return _ragged_m_op(x, weight.transpose(1, 2), offsets, bias, x.dtype)
+        return ragged_m(x, weight.transpose(1, 2), offsets, bias, x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
@@ -34,39 +37,56 @@ class _GroupedLinearFn(torch.autograd.Function):
         grad = grad.to(x.dtype)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = _ragged_m_op(grad, weight, offsets, None, x.dtype)  # [T, N] @ [E, N, K]
+            dx = ragged_m(grad, weight, offsets, None, x.dtype)  # [T, N] @ [E, N, K]
         if ctx.needs_input_grad[1]:
             if ctx.main_grad is not None:
-                _ragged_k_out_op(grad.t(), x, offsets, ctx.main_grad, True)
+                ragged_k_out(grad.t(), x, offsets, ctx.main_grad, True)
             else:
-                dw = _ragged_k_op(grad.t(), x, offsets, weight.dtype)  # [E, N, K]
+                dw = ragged_k(grad.t(), x, offsets, weight.dtype)  # [E, N, K]
         if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
             dbias = segment_sum_rows(grad, offsets).to(ctx.bias_dtype)
         return dx, dw, None, dbias, None
 
 
-_apply_grouped_linear = direct_apply(_GroupedLinearFn)
+_apply_grouped_linear = function_apply(_GroupedLinearFn)
 
 
-def grouped_linear(
-    x: torch.Tensor,  # [T, K] rows grouped by expert
-    weight: torch.Tensor,  # [E, N, K] (nn.Linear layout per expert)
-    offsets: torch.Tensor,  # [E] int32/int64 cumulative end offsets
-    bias: torch.Tensor | None = None,  # [E, N]
-    main_grad: torch.Tensor | None = None,  # [E, N, K] fp32
-) -> torch.Tensor:  # [T, N]
-    """Per-expert linear layer over expert-sorted rows, forward and backward in grouped GEMMs.
+def check_features(in_features: int, out_features: int, dtype: torch.dtype) -> None:
+    """The grouped GEMM reads rows through TMA: in_features and out_features must each span a
+    multiple of 16 bytes of ``dtype``."""
+    check_byte_aligned("in_features", in_features, dtype, "in_features")
+    check_byte_aligned("out_features", out_features, dtype, "out_features")
 
-    With ``main_grad`` (Megatron's gradient-accumulation fusion) the weight gradient is added
-    into it in place by the wgrad kernel and ``weight.grad`` is left untouched (None).
-    """
+
+def _check_inputs(x, weight, offsets, bias, main_grad):
     x = check_tensor("x", x)
     weight = check_tensor("weight", weight)
-    check_ndim("x", x, 2, "[T, in_features]")
-    check_ndim("weight", weight, 3, "[E, out_features, in_features]")
+    check_ndim("weight", weight, 3, "[num_experts, out_features, in_features]")
+    E, N, K = weight.shape
+    check_ndim("x", x, 2, f"[T, in_features = {K}]")
+    check_dtype("x", x, FLOAT_DTYPES)
     if weight.dtype != x.dtype:
         raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
-    offsets, bias = check_ragged_m_inputs(x, weight.transpose(1, 2), offsets, bias, x.dtype)
+    check_same_device("weight", weight, "x", x)
+    if x.shape[1] != K:
+        raise ValueError(
+            f"x.shape[1] must equal in_features = {K} (weight.shape[2]), got x of shape "
+            f"{tuple(x.shape)}"
+        )
+    check_features(K, N, x.dtype)
+    check_interpretable("x", x)
+    offsets = check_offsets(offsets, E, "x", x, "num_experts = weight.shape[0]")
+    if bias is not None:
+        bias = check_tensor("bias", bias)
+        if tuple(bias.shape) != (E, N):
+            raise ValueError(
+                f"bias must have shape (num_experts, out_features) = {(E, N)}, got "
+                f"{tuple(bias.shape)}"
+            )
+        check_same_device("bias", bias, "x", x)
+        check_dtype("bias", bias, FLOAT_DTYPES)
+        if bias.stride(1) != 1:
+            raise ValueError(f"bias must have unit stride along out_features, got {bias.stride()}")
     if main_grad is not None:
         main_grad = check_tensor("main_grad", main_grad)
         check_dtype("main_grad", main_grad, (torch.float32,))
@@ -75,4 +95,21 @@ def grouped_linear(
                 f"main_grad must match weight's shape {tuple(weight.shape)} on {weight.device}, "
                 f"got {tuple(main_grad.shape)} on {main_grad.device}"
             )
-    return _apply_grouped_linear(x, weight, offsets, bias, main_grad)
+    return x, weight, offsets, bias, main_grad
+
+
+def grouped_linear(
+    x: torch.Tensor,  # [T, in_features] rows grouped by expert
+    weight: torch.Tensor,  # [num_experts, out_features, in_features] (nn.Linear per expert)
+    offsets: torch.Tensor,  # [num_experts] int32/int64 cumulative end offsets
+    bias: torch.Tensor | None = None,  # [num_experts, out_features]
+    main_grad: torch.Tensor | None = None,  # fp32, weight's shape
+) -> torch.Tensor:  # [T, out_features]
+    """Per-expert linear layer over expert-sorted rows, forward and backward in grouped GEMMs.
+
+    in_features and out_features must each span a multiple of 16 bytes (8 elements for
+    bf16/fp16, 4 for fp32) on every path. Rows past ``offsets[-1]`` give zeros. With
+    ``main_grad`` (Megatron's gradient-accumulation fusion) the weight gradient is added into
+    it in place by the wgrad kernel and ``weight.grad`` is left untouched (None).
+    """
+    return _apply_grouped_linear(*_check_inputs(x, weight, offsets, bias, main_grad))

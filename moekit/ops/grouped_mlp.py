@@ -9,11 +9,10 @@ bias). Weight gradients accumulate into ``w.main_grad`` (fp32) when that attribu
 Configurations the fused kernels do not cover (an F whose rows are not 16-byte aligned, a GLU
 interleave that is not a multiple of 16) run the unfused composition of moekit ops instead,
 with a one-time warning that says why. CPU tensors run that composition over the reference
-grouped GEMM (or the fused kernels in Triton's interpreter when ``TRITON_INTERPRET=1``).
+grouped GEMM (or the fused kernels in Triton's interpreter under ``TRITON_INTERPRET=1``).
 
-Host path: calls are keyed on their static configuration; the first call of a key validates
-and builds a ``_Plan``, later calls skip validation and, from the third on, replay the recorded
-kernel launches with only the pointers swapped (moekit/kernels/_replay.py).
+Host path: a call's validation is cached per static configuration (``_plan``); the kernel ops
+replay their recorded launches (:mod:`moekit.runtime.replay`).
 """
 
 from __future__ import annotations
@@ -24,26 +23,30 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from moekit.kernels import grouped_gemm as _gemm
-from moekit.kernels import grouped_mlp as _mlp
-from moekit.kernels._replay import LaunchReplay
-from moekit.ops._apply import direct_apply
-from moekit.ops._dispatch import use_triton
-from moekit.ops._launch_cache import run_or_record
-from moekit.ops._validate import (
+from moekit.activations import Activation, apply_activation, resolve_activation
+from moekit.kernels import grouped_mlp as kernels
+from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
+from moekit.ops.grouped_linear import grouped_linear
+from moekit.ops.validation import (
+    FLOAT_DTYPES,
     check_byte_aligned,
     check_dtype,
+    check_interpretable,
     check_ndim,
+    check_offsets,
     check_same_device,
     check_tensor,
 )
-from moekit.ops.grouped_gemm import _check_offsets
-from moekit.ops.grouped_linear import grouped_linear
-from moekit.reference.activations import Activation, apply_activation, resolve_activation
+from moekit.runtime.cache import cached
+from moekit.runtime.device import use_triton
+from moekit.runtime.eager import plain_eager
+from moekit.runtime.replay import replayed, tensor_key
+from moekit.runtime.tma import tma_rows
+from moekit.tuning import grouped_gemm as gemm_tuning
+from moekit.tuning import grouped_mlp as tuning
 
 __all__ = ["grouped_mlp"]
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # Backward runs its launches as one replayed segment (one pass of replay overhead instead of
 # three) when freeing h and the activation before the gradients are allocated would save at
@@ -52,216 +55,352 @@ _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ONE_SEGMENT_MAX_BYTES = 64 << 20
 
 
-@dataclasses.dataclass(eq=False)
-class _Plan:
-    """Everything decided once per static configuration (shapes, strides, dtypes, devices,
-    flags): validated once, then reused by every call with the same configuration, together
-    with the recorded kernel launches that the call replays."""
-
-    act: Activation
-    interleave: int | None
-    recompute: bool
-    for_backward: bool  # grad mode on and an input requires grad: store h for backward
-    unfused_reason: str | None  # why the fused kernels cannot run this (None: they can)
-    direct: bool  # every input already has TMA-friendly strides: no copies before the kernels
-    part_rows: int  # rows of the dprobs-partials buffer (see grouped_mlp_dact)
-    one_segment: bool  # backward: all gradients allocated first, launches replayed as one
-    fwd: LaunchReplay = dataclasses.field(default_factory=LaunchReplay)
-    # backward configuration (needs_input_grad, dy strides) -> one LaunchReplay per segment
-    bwd: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def act_kwargs(self) -> dict:
-        a = self.act
-        return dict(
-            act=a.name, gated=a.gated, interleave=self.interleave,
-            limit=a.limit, alpha=a.alpha, offset=a.offset,
-        )  # fmt: skip
+def _activation(name: str, limit: float, alpha: float, offset: float) -> Activation:
+    return Activation(name, limit=limit, alpha=alpha, offset=offset)
 
 
-def _tma_strides(t: torch.Tensor) -> bool:
-    size = t.element_size()
-    return t.stride(-1) == 1 and all((s * size) % 16 == 0 for s in t.stride()[:-1])
+def _interleave(interleave: int) -> int | None:
+    return interleave or None  # kernel ops take 0 for "[gate | up] halves"
 
 
-def _unit_rows(t: torch.Tensor) -> torch.Tensor:
-    """t with unit stride on its last dim and 16-byte aligned base/strides (TMA's demands)."""
-    return t if _tma_strides(t) and t.data_ptr() % 16 == 0 else t.contiguous()
+# --------------------------------------------------------------------------------------------
+# launches (inputs validated and TMA-ready)
+# --------------------------------------------------------------------------------------------
 
 
-def _release(t: torch.Tensor | None) -> None:
-    """Free a saved activation's memory as soon as backward has consumed it, so that dx and
-    the weight gradients are allocated in its place (TransformerEngine does the same). Autograd
-    would otherwise hold it until this node's backward returns. With saved-tensor hooks (e.g.
-    CPU offloading) ``t`` is the unpacked copy and only that copy is freed."""
-    if t is not None:
-        t.untyped_storage().resize_(0)
+def _fc1(x, w1, offsets, a, h, probs, b1, act: Activation, interleave: int | None) -> None:
+    R, H = x.shape
+    E, F_ = w1.shape[0], a.shape[1]
+
+    def launch(cfg, offsets: torch.Tensor = offsets) -> None:
+        kernels.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, act, interleave, cfg)
+
+    key = (H, F_, E, act, interleave, h is not None, probs is not None)
+    cfg = gemm_tuning.choose_config(
+        "mlp_fc1", key, x.dtype, x.device, tuning.fc1_candidates(act.gated, interleave),
+        lambda: gemm_tuning.routing_robust_launches(launch, R, E, offsets),
+        tuning.fit_interleave(gemm_tuning.INTERPRET_CONFIG, interleave), keep_default_within=0.0,
+    )  # fmt: skip
+    launch(cfg)
 
 
-def _released(t: torch.Tensor) -> bool:
-    return t.untyped_storage().nbytes() == 0
-
-
-class _GroupedMLPFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg2):
-        R, H = x.shape
-        dev, dt = x.device, x.dtype
-        # (ctx.needs_input_grad is set even under torch.no_grad, hence the plan's flag)
-        a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
-        h = torch.empty(R, w1.shape[1], device=dev, dtype=dt) if plan.for_backward else None
-        y = torch.empty(R, H, device=dev, dtype=dt)
-        if R > 0:
-            roles = (x, offsets, w1, w2, probs, b1, b2, a, h, y)
-            if not plan.fwd.run(roles):  # the replay is not ready, or this call cannot take it
-                with plan.fwd.recording(roles):
-                    _mlp.grouped_mlp_fc1(x, w1, offsets, a, h, probs, b1, **plan.act_kwargs)
-                    _gemm.grouped_mm_ragged_m(a, w2.transpose(1, 2), offsets, y, b2)
-        ctx.plan = plan
-        ctx.main_grads = (mg1, mg2)
-        ctx.bias_dtypes = (
-            b1.dtype if b1 is not None else None,
-            b2.dtype if b2 is not None else None,
-        )
-        ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if plan.recompute else a)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, offsets, w1, w2, probs, h, a = ctx.saved_tensors
-        if h is not None and h.numel() and _released(h):
-            raise RuntimeError(
-                "grouped_mlp: backward ran a second time through the same graph, but the first "
-                "backward released the saved activations; retain_graph=True is not supported"
-            )
-        plan: _Plan = ctx.plan
-        mg1, mg2 = ctx.main_grads
-        needs = ctx.needs_input_grad
-        need_x, _, need_w1, need_w2, need_p, need_b1, need_b2 = needs[:7]
-        R, H = x.shape
-        E, W1, _ = w1.shape
-        F_ = w2.shape[2]
-        dev, dt = x.device, x.dtype
-        if grad.dtype != dt:
-            grad = grad.to(dt)
-        # (H * itemsize is a multiple of 16 on this path: a contiguous grad is TMA-ready.)
-        dy = grad if grad.is_contiguous() and not grad.data_ptr() & 15 else _unit_rows(grad)
-        dx = dw1 = dw2 = dp = db1 = db2 = None
-        if R == 0:
-            dx = torch.zeros_like(x) if need_x else None
-            dp = torch.zeros_like(probs) if need_p else None
-            dw1 = torch.zeros_like(w1) if need_w1 and mg1 is None else None
-            dw2 = torch.zeros_like(w2) if need_w2 and mg2 is None else None
-            if need_b1:
-                db1 = torch.zeros(E, W1, device=dev, dtype=ctx.bias_dtypes[0])
-            if need_b2:
-                db2 = torch.zeros(E, H, device=dev, dtype=ctx.bias_dtypes[1])
-            return dx, None, dw1, dw2, dp, db1, db2, None, None, None
-
-        bkey = (needs, dy.stride())
-        seg = plan.bwd.get(bkey)
-        if seg is None:
-            seg = plan.bwd[bkey] = (LaunchReplay(), LaunchReplay(), LaunchReplay())
-        # Large problems run three launch segments, so that h and the activation are freed
-        # before the weight and input gradients are allocated in their place; small ones (where
-        # host time matters and that memory does not) allocate everything first and run the
-        # five launches as one replayed segment.
-
-        # fc2 dgrad + activation backward (+ dprobs partials, + recomputed activation)
-        dh = torch.empty(R, W1, device=dev, dtype=dt)
-        a_re = torch.empty(R, F_, device=dev, dtype=dt) if plan.recompute and need_w2 else None
-        part = None
-        if probs is not None:
-            part = torch.empty(plan.part_rows, R, device=dev, dtype=torch.float32)
-        dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
-        act_out = (a_re if plan.recompute else a) if need_w2 else None
-        b_dtypes = ctx.bias_dtypes
-
-        if plan.one_segment:
-            if need_w2 and mg2 is None:
-                dw2 = torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
-            dx, dw1, db1, db2 = _alloc_fc1_grads(needs, x, w1, mg1, b_dtypes)
-            target1 = (mg1 if mg1 is not None else dw1) if need_w1 else None
-            target2 = mg2 if mg2 is not None else dw2
-            # a is a role only when saved (with recompute, act_out is a_re, already a role)
-            roles = (
-                dy, offsets, w2, h, probs, dh, a_re, part, dp,
-                None if plan.recompute else act_out, target2, w1, x, dx, target1, db1, db2,
-            )  # fmt: skip
-            if not seg[0].run(roles):  # the replay is not ready, or this call cannot take it
-                with seg[0].recording(roles):
-                    _dact(plan, dy, w2, offsets, h, probs, dh, a_re, part, dp)
-                    if need_w2:
-                        _gemm.grouped_mm_ragged_k(
-                            dy.t(), act_out, offsets, target2, mg2 is not None
-                        )
-                    _fc1_grads(dy, dh, w1, x, offsets, dx, target1, mg1 is not None, db1, db2)
-            _release(h)
-            _release(act_out)
-            return dx, None, dw1, dw2, dp, db1, db2, None, None, None
-
-        run_or_record(
-            seg[0], (dy, offsets, w2, h, probs, dh, a_re, part, dp),
-            lambda: _dact(plan, dy, w2, offsets, h, probs, dh, a_re, part, dp),
-        )  # fmt: skip
-        part = None  # scratch: released before the weight gradients are allocated
-        _release(h)
-        if need_w2:  # fc2 wgrad (into w2.main_grad when present)
-            target2 = mg2 if mg2 is not None else torch.empty(E, H, F_, device=dev, dtype=w2.dtype)
-            dw2 = target2 if mg2 is None else None
-            run_or_record(
-                seg[1], (dy, offsets, act_out, target2),
-                lambda: _gemm.grouped_mm_ragged_k(
-                    dy.t(), act_out, offsets, target2, mg2 is not None
-                ),
-            )  # fmt: skip
-            _release(act_out)
-            act_out = None
-        # h and the activation (saved or recomputed) are gone before dx and dw1 are allocated.
-        a_re = None
-        dx, dw1, db1, db2 = _alloc_fc1_grads(needs, x, w1, mg1, b_dtypes)
-        target1 = (mg1 if mg1 is not None else dw1) if need_w1 else None
-        run_or_record(
-            seg[2], (dh, offsets, w1, x, dx, target1, db1, db2, dy),
-            lambda: _fc1_grads(dy, dh, w1, x, offsets, dx, target1, mg1 is not None, db1, db2),
-        )  # fmt: skip
-        return dx, None, dw1, dw2, dp, db1, db2, None, None, None
-
-
-def _dact(plan: _Plan, dy, w2, offsets, h, probs, dh, a_re, part, dp) -> None:
+def _dact(dy, w2, offsets, h, probs, dh, a_re, part, dp, act, interleave) -> None:
     """fc2 dgrad with the activation backward (and the dprobs partials, and the recomputed
     activation) in its epilogue, then the deterministic sum of the partials into dp."""
-    used = _mlp.grouped_mlp_dact(dy, w2, offsets, h, probs, dh, a_re, part, **plan.act_kwargs)
+    R = dy.shape[0]
+    E, H, F_ = w2.shape
+
+    def launch(cfg, offsets: torch.Tensor = offsets):
+        return kernels.grouped_mlp_dact(
+            dy, w2, offsets, h, probs, dh, a_re, part, act, interleave, cfg
+        )
+
+    key = (H, F_, E, act, interleave, a_re is not None, probs is not None)
+    cfg = gemm_tuning.choose_config(
+        "mlp_dact", key, dy.dtype, dy.device, tuning.dact_candidates(interleave),
+        lambda: gemm_tuning.routing_robust_launches(launch, R, E, offsets),
+        tuning.fit_interleave(gemm_tuning.INTERPRET_CONFIG, interleave), keep_default_within=0.0,
+    )  # fmt: skip
+    used = launch(cfg)
     if dp is not None:
-        _mlp.segment_colsum(used, None, dp.view(1, -1))
-
-
-def _alloc_fc1_grads(needs, x, w1, mg1, bias_dtypes):
-    """dx, dw1 (None when it goes to main_grad), db1, db2 as this backward needs them."""
-    need_x, _, need_w1, _, _, need_b1, need_b2 = needs[:7]
-    R, H = x.shape
-    E, W1, _ = w1.shape
-    dev = x.device
-    dx = torch.empty(R, H, device=dev, dtype=x.dtype) if need_x else None
-    dw1 = torch.empty(E, W1, H, device=dev, dtype=w1.dtype) if need_w1 and mg1 is None else None
-    db1 = torch.empty(E, W1, device=dev, dtype=bias_dtypes[0]) if need_b1 else None
-    db2 = torch.empty(E, H, device=dev, dtype=bias_dtypes[1]) if need_b2 else None
-    return dx, dw1, db1, db2
+        kernels.segment_colsum(used, None, dp.view(1, -1))
 
 
 def _fc1_grads(dy, dh, w1, x, offsets, dx, target1, accumulate1: bool, db1, db2) -> None:
     """fc1 dgrad, fc1 wgrad (into ``target1``: dw1 or w1.main_grad), the bias gradients."""
     if dx is not None:
-        _gemm.grouped_mm_ragged_m(dh, w1, offsets, dx)
+        launch_ragged_m(dh, w1, offsets, None, dx)
     if target1 is not None:
-        _gemm.grouped_mm_ragged_k(dh.t(), x, offsets, target1, accumulate1)
+        launch_ragged_k(dh.t(), x, offsets, target1, accumulate1)
     if db1 is not None:
-        _mlp.segment_colsum(dh, offsets, db1)
+        kernels.segment_colsum(dh, offsets, db1)
     if db2 is not None:
-        _mlp.segment_colsum(dy, offsets, db2)
+        kernels.segment_colsum(dy, offsets, db2)
 
 
-_apply_grouped_mlp = direct_apply(_GroupedMLPFn)
+def _tma_layouts(x, offsets, w1, w2, probs, b1, b2) -> tuple:
+    """The inputs as the kernels read them: rows TMA-ready, offsets and probs contiguous.
+    Copies only what is not (a strided view, a misaligned base); a no-op otherwise."""
+    x, w1, w2 = tma_rows(x), tma_rows(w1), tma_rows(w2)
+    b1 = tma_rows(b1) if b1 is not None else None
+    b2 = tma_rows(b2) if b2 is not None else None
+    probs = probs.contiguous() if probs is not None else None
+    return x, offsets.contiguous(), w1, w2, probs, b1, b2
+
+
+def _released(t: torch.Tensor | None) -> bool:
+    return t is not None and t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def _release(t: torch.Tensor | None) -> None:
+    """Free a saved activation's memory as soon as backward has consumed it, so that dx and
+    the weight gradients are allocated in its place (autograd would hold it until this node's
+    backward returns). A second backward through the graph (``retain_graph=True``) finds it
+    released and recomputes it. With saved-tensor hooks (e.g. CPU offloading) ``t`` is the
+    unpacked copy and only that copy is freed."""
+    if t is not None:
+        t.untyped_storage().resize_(0)
+
+
+# --------------------------------------------------------------------------------------------
+# kernel ops
+# --------------------------------------------------------------------------------------------
+
+
+def _forward_fake(x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h):
+    R = x.shape[0]
+    h = x.new_empty(R if store_h else 0, w1.shape[1])
+    return x.new_empty(R, w2.shape[1]), h, x.new_empty(R, w2.shape[2])
+
+
+@kernel_op("grouped_mlp_forward", fake=_forward_fake)
+def _forward(
+    x: torch.Tensor,  # [R, H]
+    offsets: torch.Tensor,  # [E]
+    w1: torch.Tensor,  # [E, W1, H]
+    w2: torch.Tensor,  # [E, H, F]
+    probs: torch.Tensor | None,  # [R]
+    b1: torch.Tensor | None,  # [E, W1]
+    b2: torch.Tensor | None,  # [E, H]
+    act_name: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    interleave: int,  # 0: [gate | up] halves
+    store_h: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # y [R, H], h [R or 0, W1], a [R, F]
+    """Fused forward: (y, h (empty unless ``store_h``), a = act(h) * probs)."""
+    act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
+    x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(x, offsets, w1, w2, probs, b1, b2)
+    R, H = x.shape
+    dev, dt = x.device, x.dtype
+    a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
+    h = torch.empty(R if store_h else 0, w1.shape[1], device=dev, dtype=dt)
+    y = torch.empty(R, H, device=dev, dtype=dt)
+    if R > 0:
+        key = None
+        if x.is_cuda:
+            key = ("mlp_fwd", act, inter, *map(tensor_key, (x, offsets, w1, w2, probs, b1, b2)))
+        h_or_none = h if store_h else None
+
+        def body() -> None:
+            _fc1(x, w1, offsets, a, h_or_none, probs, b1, act, inter)
+            launch_ragged_m(a, w2.transpose(1, 2), offsets, b2, y)
+
+        replayed(key, (x, offsets, w1, w2, probs, b1, b2, a, h_or_none, y), body)
+    return y, h, a
+
+
+def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype):
+    """(wanted, shape, dtype) of each output of the backward kernel op: dx, dw1, dw2, dprobs,
+    db1, db2 (weight gradients that go to main_grad are not outputs)."""
+    E, W1, H = w1.shape
+    p_dtype = probs.dtype if probs is not None else x.dtype
+    return (
+        (needs[0], x.shape, x.dtype),
+        (needs[1] and mg1 is None, w1.shape, w1.dtype),
+        (needs[2] and mg2 is None, w2.shape, w2.dtype),
+        (needs[3], (x.shape[0],), p_dtype),
+        (needs[4], (E, W1), b1_dtype),
+        (needs[5], (E, H), b2_dtype),
+    )
+
+
+def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *rest):
+    needs, b1_dtype, b2_dtype = rest[5], rest[6], rest[7]
+    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
+    return tuple(x.new_empty(shape if want else (0,), dtype=dt) for want, shape, dt in spec)
+
+
+@kernel_op("grouped_mlp_backward", fake=_backward_fake, mutates_args=("mg1", "mg2"))
+def _backward(
+    dy: torch.Tensor,  # [R, H]
+    x: torch.Tensor,  # [R, H]
+    offsets: torch.Tensor,  # [E]
+    w1: torch.Tensor,  # [E, W1, H]
+    w2: torch.Tensor,  # [E, H, F]
+    probs: torch.Tensor | None,  # [R]
+    h: torch.Tensor,  # [R, W1] saved pre-activation
+    a: torch.Tensor | None,  # [R, F] saved activation (None: recomputed here)
+    mg1: torch.Tensor | None,  # w1.main_grad, accumulated into
+    mg2: torch.Tensor | None,  # w2.main_grad, accumulated into
+    b1: torch.Tensor | None,  # [E, W1]: to recompute h if a first backward freed it
+    act_name: str,
+    limit: float,
+    alpha: float,
+    offset: float,
+    interleave: int,
+    needs: list[bool],  # gradients wanted: x, w1, w2, probs, b1, b2
+    b1_dtype: torch.dtype,
+    b2_dtype: torch.dtype,
+    release: bool,  # free h and the activation as soon as they are consumed
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each a [0] tensor
+    where it is not an output (not wanted, or a weight gradient that went to main_grad)."""
+    act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
+    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
+    if x.shape[0] == 0:  # nothing to launch; main_grad stays as it is
+        return tuple(
+            torch.zeros(sh if want else (0,), dtype=dt, device=x.device) for want, sh, dt in spec
+        )
+    x, offsets, w1, w2, probs, b1, _ = _tma_layouts(x, offsets, w1, w2, probs, b1, None)
+    if _released(h):  # a second backward through the same graph (retain_graph=True)
+        h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
+    grads = _run_backward(
+        tma_rows(dy.to(x.dtype)), x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
+        (b1_dtype, b2_dtype), release,
+    )  # fmt: skip
+    # an output not wanted is a [0] tensor of its own (outputs may not alias each other)
+    return tuple(g if want else x.new_empty(0) for g, (want, _, _) in zip(grads, spec))
+
+
+def _recompute(x, offsets, w1, w2, probs, b1, a, act, inter):
+    """h and (if it was saved) the activation again, from the saved inputs."""
+    h = torch.empty(x.shape[0], w1.shape[1], device=x.device, dtype=x.dtype)
+    a_new = torch.empty(x.shape[0], w2.shape[2], device=x.device, dtype=x.dtype)
+    _fc1(x, w1, offsets, a_new, h, probs, b1, act, inter)
+    return h, (a_new if a is not None else None)
+
+
+class _Backward:
+    """The backward launches of one call and the buffers they write.
+
+    Small problems (or when memory is not released) allocate every gradient first and run the
+    five launches as one replayed segment; large ones run three segments, freeing h and the
+    activation before dx and dw1 are allocated in their place."""
+
+    def __init__(self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt):
+        self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
+        self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
+        self.needs, self.bias_dtypes = needs, bdt
+        R, dev, dt = x.shape[0], x.device, x.dtype
+        F_ = w2.shape[2]
+        need_w2, need_p = needs[2], needs[3]
+        self.dh = torch.empty(R, w1.shape[1], device=dev, dtype=dt)
+        self.a_re = torch.empty(R, F_, device=dev, dtype=dt) if a is None and need_w2 else None
+        self.part = None
+        if probs is not None:
+            rows = tuning.dact_partial_rows(F_, inter)
+            self.part = torch.empty(rows, R, device=dev, dtype=torch.float32)
+        self.dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
+        self.act_out = (a if a is not None else self.a_re) if need_w2 else None
+        self.dx = self.t1 = self.t2 = self.db1 = self.db2 = None
+        self.base = ("mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None)
+
+    def held_bytes(self) -> int:
+        """What three segments would free early: h and the activation."""
+        return sum(t.numel() * t.element_size() for t in (self.h, self.act_out) if t is not None)
+
+    def alloc_w2(self) -> None:
+        x, (E, H, F_) = self.x, self.w2.shape
+        if self.needs[2]:
+            self.t2 = self.mg2 if self.mg2 is not None else x.new_empty(E, H, F_)
+
+    def alloc_fc1(self) -> None:
+        x, (E, W1, H) = self.x, self.w1.shape
+        need_x, need_w1, _, _, need_b1, need_b2 = self.needs
+        self.dx = x.new_empty(x.shape) if need_x else None
+        if need_w1:
+            self.t1 = self.mg1 if self.mg1 is not None else x.new_empty(E, W1, H)
+        self.db1 = x.new_empty(E, W1, dtype=self.bias_dtypes[0]) if need_b1 else None
+        self.db2 = x.new_empty(E, H, dtype=self.bias_dtypes[1]) if need_b2 else None
+
+    def dact(self) -> None:
+        _dact(
+            self.dy, self.w2, self.offsets, self.h, self.probs, self.dh, self.a_re, self.part,
+            self.dp, self.act, self.inter,
+        )  # fmt: skip
+
+    def wgrad2(self) -> None:
+        if self.t2 is not None:
+            launch_ragged_k(self.dy.t(), self.act_out, self.offsets, self.t2, self.mg2 is not None)
+
+    def fc1(self) -> None:
+        _fc1_grads(
+            self.dy, self.dh, self.w1, self.x, self.offsets, self.dx, self.t1,
+            self.mg1 is not None, self.db1, self.db2,
+        )  # fmt: skip
+
+    def _replay(self, segment: str, roles: tuple, body) -> None:
+        key = (*self.base, segment, *map(tensor_key, roles)) if self.x.is_cuda else None
+        replayed(key, roles, body)
+
+    def one_segment(self) -> None:
+        self.alloc_w2()
+        self.alloc_fc1()
+        roles = (
+            self.dy, self.offsets, self.w2, self.h, self.probs, self.dh, self.a_re, self.part,
+            self.dp, self.a, self.t2, self.w1, self.x, self.dx, self.t1, self.db1, self.db2,
+        )  # fmt: skip
+        self._replay("all", roles, lambda: (self.dact(), self.wgrad2(), self.fc1()))
+
+    def three_segments(self) -> None:
+        roles = (self.dy, self.offsets, self.w2, self.h, self.probs, self.dh, self.a_re)
+        self._replay("dact", (*roles, self.part, self.dp), self.dact)
+        self.part = None
+        _release(self.h)
+        self.alloc_w2()
+        self._replay("wgrad2", (self.dy, self.offsets, self.act_out, self.t2), self.wgrad2)
+        _release(self.act_out)
+        self.alloc_fc1()
+        roles = (self.dh, self.offsets, self.w1, self.x, self.dx, self.t1, self.db1, self.db2)
+        self._replay("fc1", (*roles, self.dy), self.fc1)
+
+    def outputs(self) -> tuple:
+        t1 = None if self.mg1 is not None else self.t1
+        t2 = None if self.mg2 is not None else self.t2
+        return self.dx, t1, t2, self.dp, self.db1, self.db2
+
+
+def _run_backward(
+    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release
+):
+    bwd = _Backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes)
+    if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES:
+        bwd.one_segment()
+    else:
+        bwd.three_segments()
+    if release:
+        _release(h)
+        _release(bwd.act_out)
+    return bwd.outputs()
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class _GroupedMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd):
+        y, h, a = _forward(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd)
+        ctx.act = (*act, inter)
+        # main_grad is mutated by every micro-batch's backward, so it cannot go through
+        # save_for_backward (whose version check would fire); it is only written, never read.
+        ctx.main_grads = (mg1, mg2)
+        ctx.bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+        ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if recompute else a, b1)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offsets, w1, w2, probs, h, a, b1 = ctx.saved_tensors
+        mg1, mg2 = ctx.main_grads
+        n = ctx.needs_input_grad
+        needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
+        dx, dw1, dw2, dp, db1, db2 = _backward(
+            grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
+            *ctx.bias_dtypes, plain_eager((grad,)),
+        )  # fmt: skip
+        wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
+        dx, dw1, dw2, dp, db1, db2 = (
+            t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
+        )
+        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None
+
+
+_apply_grouped_mlp = function_apply(_GroupedMLPFn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,156 +447,39 @@ def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg
 
 
 # --------------------------------------------------------------------------------------------
-# public entry point
+# validation, cached per static configuration
 # --------------------------------------------------------------------------------------------
 
-_warned: set[str] = set()
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """What validation decided for one static configuration of a call."""
+
+    act: Activation
+    interleave: int | None
+    recompute: bool
+    for_backward: bool  # grad mode on and an input requires grad: store h for backward
+    unfused_reason: str | None  # why the fused kernels cannot run this ("": CPU reference)
 
 
-def _fused_unsupported(x: torch.Tensor, F_: int, interleave: int | None) -> str | None:
-    """Why the fused kernels cannot run this configuration (None if they can)."""
-    if (F_ * x.element_size()) % 16:
-        return f"F = {F_} is not a multiple of {16 // x.element_size()} (16-byte TMA rows)"
-    if interleave is not None and interleave % 16:
-        return f"glu_interleave = {interleave} is not a multiple of 16 (the smallest GEMM tile)"
-    return None
-
-
-def _check_optional(name, t, shape, ref) -> torch.Tensor | None:
+def _check_optional(name, t, shape, ref) -> None:
     if t is None:
-        return None
+        return
     t = check_tensor(name, t)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
     check_same_device(name, t, "x", ref)
-    check_dtype(name, t, _FLOAT_DTYPES)
-    return t
+    check_dtype(name, t, FLOAT_DTYPES)
 
 
-def grouped_mlp(
-    x: torch.Tensor,
-    offsets: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    probs: torch.Tensor | None = None,
-    *,
-    activation: str | Activation = "swiglu",
-    glu_interleave: int | None = None,
-    recompute_activation: bool = False,
-    b1: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Expert MLP over expert-sorted rows: ``y = fc2(act(fc1(x)) * probs)`` per expert.
-
-    Args:
-        x: [R, H] rows grouped by expert (bf16/fp16/fp32).
-        offsets: [E] int32/int64 cumulative end offsets on x's device; rows past
-            offsets[-1] give zero output and zero gradients.
-        w1: [E, 2F, H] for gated activations, [E, F, H] otherwise (nn.Linear layout). Gated
-            rows: ``[:F]`` gate, ``[F:]`` up; or, with ``glu_interleave=I``, blocks of I rows
-            alternating gate, up (see moekit.reference.activations).
-        w2: [E, H, F].
-        probs: optional [R] routing probabilities; each row's activation output is scaled by
-            its prob and the gradient flows to probs.
-        activation: "swiglu", "geglu", "clamped_swiglu" (gpt-oss: limit 7, alpha 1.702,
-            offset 1; pass ``moekit.Activation("clamped_swiglu", limit=..)`` for others),
-            "relu2", "gelu", "silu".
-        recompute_activation: save only x and the pre-activation for backward and recompute
-            the activation output there (less memory, a little more epilogue work).
-        b1: optional [E, 2F] / [E, F] fc1 bias; b2: optional [E, H] fc2 bias.
-
-    Returns:
-        [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
-        the weight gradients in place and ``.grad`` stays None.
-    """
-    mg1 = getattr(w1, "main_grad", None)
-    mg2 = getattr(w2, "main_grad", None)
-    key = _plan_key(
-        x, offsets, w1, w2, probs, b1, b2, mg1, mg2,
-        activation, glu_interleave, recompute_activation,
-    )  # fmt: skip
-    try:
-        plan = _PLANS.get(key) if key is not None else None
-    except TypeError:  # an unhashable argument: no plan, the full checks say what is wrong
-        key = plan = None
-    if plan is None:
-        plan = _make_plan(
-            x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute_activation
-        )
-        if key is not None:
-            if len(_PLANS) >= _MAX_PLANS:
-                _PLANS.clear()
-            _PLANS[key] = plan
-
-    reason = plan.unfused_reason
-    if reason is None:
-        if not plan.direct or (x.data_ptr() | w1.data_ptr() | w2.data_ptr()) & 15:
-            x, w1, w2 = _unit_rows(x), _unit_rows(w1), _unit_rows(w2)
-            probs = probs.contiguous() if probs is not None else None
-            b1 = _unit_rows(b1) if b1 is not None else None
-            b2 = _unit_rows(b2) if b2 is not None else None
-        return _apply_grouped_mlp(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
-    if reason and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
-            f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
-            "composition of moekit ops",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
-
-
-# Plans by static configuration. The key holds everything the checks and the kernels'
-# specialisation depend on, so a hit skips validation; bounded so that a caller cycling
-# through endless shapes cannot grow it without limit.
-_PLANS: dict[tuple, _Plan] = {}
-_MAX_PLANS = 256
-
-
-def _sig(t: torch.Tensor | None) -> tuple | None:
-    if t is None:
-        return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-
-
-def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
-    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks).
-    Written out flat (no helper call per tensor): it runs on every call."""
-    try:
-        if not x.is_cuda:
-            return None
-        return (
-            x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
-            offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
-            w1.shape, w1.stride(), w1.dtype, w1.device, w1.requires_grad,
-            w2.shape, w2.stride(), w2.dtype, w2.device, w2.requires_grad,
-            None if probs is None else _sig(probs), None if b1 is None else _sig(b1),
-            None if b2 is None else _sig(b2), None if mg1 is None else _sig(mg1),
-            None if mg2 is None else _sig(mg2),
-            activation, interleave, recompute, torch.is_grad_enabled(),
-        )  # fmt: skip
-    except AttributeError:
-        return None
-
-
-def _make_plan(
-    x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute_activation
-) -> _Plan:
-    """Validate every input (clear errors) and decide how this configuration runs."""
-    x = check_tensor("x", x)
-    w1 = check_tensor("w1", w1)
-    w2 = check_tensor("w2", w2)
-    check_ndim("x", x, 2, "[R, H]")
+def _check_weights(x, w1, w2, act: Activation) -> None:
     check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
     check_ndim("w2", w2, 3, "[E, H, F]")
-    check_dtype("x", x, _FLOAT_DTYPES)
     for name, w in (("w1", w1), ("w2", w2)):
         if w.dtype != x.dtype:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
         check_same_device(name, w, "x", x)
-    act = resolve_activation(activation)
-    R, H = x.shape
+    H = x.shape[1]
     E, W1, H1 = w1.shape
     F_ = w2.shape[2]
     if H1 != H or w2.shape[1] != H:
@@ -482,16 +504,53 @@ def _make_plan(
         raise ValueError(
             f"w1.shape[1] must equal F = w2.shape[2] = {F_} for activation {act.name!r}, got {W1}"
         )
-    if glu_interleave is not None:
-        if not act.gated:
-            raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
-        if not isinstance(glu_interleave, int) or glu_interleave <= 0 or F_ % glu_interleave:
-            raise ValueError(
-                f"glu_interleave must be a positive integer dividing F = {F_}, "
-                f"got {glu_interleave!r}"
-            )
-    _check_offsets(offsets, E, x)
+
+
+def _check_interleave(glu_interleave: object, act: Activation, F_: int) -> None:
+    if glu_interleave is None:
+        return
+    if not act.gated:
+        raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
+    if not isinstance(glu_interleave, int) or glu_interleave <= 0 or F_ % glu_interleave:
+        raise ValueError(
+            f"glu_interleave must be a positive integer dividing F = {F_}, got {glu_interleave!r}"
+        )
+
+
+def _fused_unsupported(x: torch.Tensor, F_: int, interleave: int | None) -> str | None:
+    """Why the fused kernels cannot run this configuration (None if they can)."""
+    if (F_ * x.element_size()) % 16:
+        return f"F = {F_} is not a multiple of {16 // x.element_size()} (16-byte TMA rows)"
+    if interleave is not None and interleave % 16:
+        return f"glu_interleave = {interleave} is not a multiple of 16 (the smallest GEMM tile)"
+    return None
+
+
+def _main_grad(name: str, w: torch.Tensor) -> None:
+    mg = getattr(w, "main_grad", None)
+    if mg is None:
+        return
+    if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32 or mg.shape != w.shape:
+        raise ValueError(
+            f"{name}.main_grad must be an fp32 tensor of {name}'s shape {tuple(w.shape)}, got "
+            f"{getattr(mg, 'dtype', type(mg).__name__)} {tuple(getattr(mg, 'shape', ()))}"
+        )
+    check_same_device(f"{name}.main_grad", mg, name, w)
+
+
+def _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute) -> _Plan:
+    """Validate every input (clear errors) and decide how this configuration runs."""
+    x, w1, w2 = check_tensor("x", x), check_tensor("w1", w1), check_tensor("w2", w2)
+    check_ndim("x", x, 2, "[R, H]")
+    check_dtype("x", x, FLOAT_DTYPES)
+    act = resolve_activation(activation)
+    _check_weights(x, w1, w2, act)
+    R, H = x.shape
+    E, W1, _ = w1.shape
+    _check_interleave(glu_interleave, act, w2.shape[2])
+    check_offsets(offsets, E, "x", x, "w1.shape[0]")
     check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
+    check_interpretable("x", x)
     _check_optional("probs", probs, (R,), x)
     _check_optional("b1", b1, (E, W1), x)
     _check_optional("b2", b2, (E, H), x)
@@ -501,28 +560,110 @@ def _make_plan(
         t is not None and t.requires_grad for t in (x, w1, w2, probs, b1, b2)
     )
     # "" = the unfused composition without a warning (CPU tensors run the reference)
-    reason = _fused_unsupported(x, F_, glu_interleave) if use_triton(x) else ""
-    direct = (
-        all(_tma_strides(t) for t in (x, w1, w2, b1, b2) if t is not None)
-        and (probs is None or probs.stride(0) == 1)
-    )  # fmt: skip
-    # What backward holds longer when it allocates every gradient before its first launch:
-    # the pre-activation h and the activation (saved or recomputed).
-    held = R * (W1 + F_) * x.element_size()
-    return _Plan(
-        act, glu_interleave, bool(recompute_activation), for_backward, reason, direct,
-        _mlp.dact_partial_rows(F_, glu_interleave), held <= ONE_SEGMENT_MAX_BYTES,
-    )  # fmt: skip
+    reason = _fused_unsupported(x, w2.shape[2], glu_interleave) if use_triton(x) else ""
+    return _Plan(act, glu_interleave, bool(recompute), for_backward, reason)
 
 
-def _main_grad(name: str, w: torch.Tensor) -> torch.Tensor | None:
-    mg = getattr(w, "main_grad", None)
-    if mg is None:
+def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
+    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks).
+    Written out flat (no helper call per tensor): it runs on every call."""
+    try:
+        if not x.is_cuda:
+            return None
+        return (
+            "mlp_plan",
+            x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
+            offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
+            w1.shape, w1.stride(), w1.dtype, w1.device, w1.requires_grad,
+            w2.shape, w2.stride(), w2.dtype, w2.device, w2.requires_grad,
+            *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+              for t in (probs, b1, b2, mg1, mg2)),
+            activation, interleave, recompute, torch.is_grad_enabled(),
+        )  # fmt: skip
+    except AttributeError:
         return None
-    if not isinstance(mg, torch.Tensor) or mg.dtype != torch.float32 or mg.shape != w.shape:
-        raise ValueError(
-            f"{name}.main_grad must be an fp32 tensor of {name}'s shape {tuple(w.shape)}, got "
-            f"{getattr(mg, 'dtype', type(mg).__name__)} {tuple(getattr(mg, 'shape', ()))}"
+
+
+def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
+    args = (x, offsets, w1, w2, probs, b1, b2, activation, interleave, recompute)
+    if torch.compiler.is_compiling():
+        return _make_plan(*args)
+    key = _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute)
+    if key is None:
+        return _make_plan(*args)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable argument: the full checks say what is wrong
+        return _make_plan(*args)
+    return cached(key, lambda: _make_plan(*args))
+
+
+# --------------------------------------------------------------------------------------------
+# public entry point
+# --------------------------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def grouped_mlp(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    *,
+    activation: str | Activation = "swiglu",
+    glu_interleave: int | None = None,
+    recompute_activation: bool = False,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Expert MLP over expert-sorted rows: ``y = fc2(act(fc1(x)) * probs)`` per expert.
+
+    Args:
+        x: [R, H] rows grouped by expert (bf16/fp16/fp32); H must span a multiple of 16
+            bytes (8 elements for bf16/fp16, 4 for fp32) on every path.
+        offsets: [E] int32/int64 cumulative end offsets on x's device, any stride; rows past
+            offsets[-1] give zero output and zero gradients.
+        w1: [E, 2F, H] for gated activations, [E, F, H] otherwise (nn.Linear layout). Gated
+            rows: ``[:F]`` gate, ``[F:]`` up; or, with ``glu_interleave=I``, blocks of I rows
+            alternating gate, up (see moekit.activations).
+        w2: [E, H, F]. F may be any size: where F's rows are not 16-byte multiples (or the
+            interleave is not a multiple of 16) the GPU runs an unfused, padded composition
+            with the same results and a one-time warning.
+        probs: optional [R] routing probabilities; each row's activation output is scaled by
+            its prob and the gradient flows to probs.
+        activation: "swiglu", "geglu", "clamped_swiglu" (gpt-oss: limit 7, alpha 1.702,
+            offset 1; pass ``moekit.Activation("clamped_swiglu", limit=..)`` for others),
+            "relu2", "gelu", "silu".
+        recompute_activation: save only x and the pre-activation for backward and recompute
+            the activation output there (less memory, a little more epilogue work).
+        b1: optional [E, 2F] / [E, F] fc1 bias; b2: optional [E, H] fc2 bias.
+
+    Returns:
+        [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
+        the weight gradients in place and ``.grad`` stays None. Backward may run more than once
+        through the same graph (``retain_graph=True``).
+    """
+    mg1 = getattr(w1, "main_grad", None)
+    mg2 = getattr(w2, "main_grad", None)
+    plan = _plan(
+        x, offsets, w1, w2, probs, b1, b2, mg1, mg2,
+        activation, glu_interleave, recompute_activation,
+    )  # fmt: skip
+    reason = plan.unfused_reason
+    if reason is None:
+        a = plan.act
+        return _apply_grouped_mlp(
+            x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
+            plan.interleave or 0, plan.recompute, plan.for_backward,
+        )  # fmt: skip
+    if reason and reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(
+            f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
+            "composition of moekit ops",
+            RuntimeWarning,
+            stacklevel=2,
         )
-    check_same_device(f"{name}.main_grad", mg, name, w)
-    return mg
+    return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)

@@ -8,6 +8,12 @@ multiple of ``align`` rows in the same pass. ``unpermute`` sums each token's k r
 by the routing probs. Both are differentiable w.r.t. the activations and the probs. The CUDA path
 never reads anything back to the host (unless ``out_rows="exact"`` is asked for), so a whole MoE
 block can be captured in a CUDA graph. See docs/permute.md.
+
+Wrapping (:mod:`moekit.ops.custom_op`): the row copies are the kernel ops
+``moekit::permute_scatter`` and ``moekit::permute_gather`` (the metadata is
+``moekit::routing_metadata``, in :mod:`moekit.ops.routing`); each picks the Triton kernels or the
+PyTorch reference by device. The autograd Functions call only those and torch ops, so the ops
+trace under ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -18,22 +24,33 @@ from typing import Literal
 
 import torch
 
-from moekit.kernels import permute as _k
-from moekit.ops._dispatch import use_triton
-from moekit.ops._launch_cache import replayed, sig
-from moekit.ops._validate import (
+from moekit.kernels import permute as kernels
+from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.routing import (
+    capacity_drop,
+    max_rows,
+    routing_map_to_indices,
+    routing_metadata,
+    slot_values,
+    sort_chunks_row_map,
+)
+from moekit.ops.validation import (
+    FLOAT_DTYPES,
     check_dim_size,
     check_dtype,
     check_ndim,
     check_same_device,
     check_tensor,
 )
-from moekit.reference import permute as _ref
+from moekit.reference.permute import gather_rows_torch, scatter_rows_torch
+from moekit.runtime.device import use_triton
+from moekit.runtime.replay import replayed, tensor_key
+from moekit.tuning.permute import copy_config
 
 __all__ = ["SUPPORTED_ALIGNS", "Dispatch", "permute", "sort_chunks_by_index", "unpermute"]
 
 SUPPORTED_ALIGNS = (8, 16, 32, 64, 128)
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Expert ids: the metadata kernels widen any of these before comparing against E.
 _INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8)
 
 
@@ -52,14 +69,20 @@ class Dispatch:
         hidden rows       = [x0, x1, x2, 0, x1, 0, x0, x2, 0 …]   # zero padding and tail
         num_rows          = T·k + min(E, T·k)·(align − 1) = 6 + 3 = 9
 
+    With ``out_rows`` = 7 instead, the first 7 rows are kept: token 2's slot 0 (row 7) is
+    dropped (``row_index[2, 0] = −1``), ``tokens_per_expert = [3, 1, 1]``, ``offsets = [4, 6,
+    7]``, ``counts = [4, 2, 1]`` and ``dropless`` is False.
+
     ``offsets`` is exactly the ``offs`` argument of ``moekit.ops.grouped_mm`` (and of
     ``torch._grouped_mm``); rows past ``offsets[-1]`` are zero.
     """
 
     hidden: torch.Tensor  # [R, H] rows grouped by expert; padding and tail rows are zero
     probs: torch.Tensor | None  # [R] prob of each row (dtype of the probs given), 0 for padding
-    counts: torch.Tensor  # [E] int32 rows of expert e = ceil(tokens_per_expert[e] / align)·align
-    offsets: torch.Tensor  # [E] int32 cumsum(counts): end row of each expert's segment
+    # [E] int32 rows of expert e's segment: ceil(tokens_per_expert[e] / align)·align, or fewer
+    # for a segment cut at num_rows
+    counts: torch.Tensor
+    offsets: torch.Tensor  # [E] int32 cumsum(counts): end row of each segment, <= num_rows
     tokens_per_expert: torch.Tensor  # [E] int32 unpadded rows of each expert (after any drops)
     row_index: torch.Tensor  # [T, k] int32 row holding token t's slot s; −1 = dropped
     num_tokens: int  # T
@@ -67,102 +90,104 @@ class Dispatch:
     num_experts: int  # E
     align: int | None  # segment alignment in rows, None = packed
     num_rows: int  # R, static upper bound of the rows used (= hidden.shape[0])
-    dropless: bool  # every slot got a row (no capacity drops, no routing_map with < k experts)
+    # every slot got a row: no capacity drops, no routing_map with < k experts, no out_rows
+    # below the rows the routing may need
+    dropless: bool
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel ops: the row copies (Triton on CUDA and in the interpreter, the reference on CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+def _scatter_fake(
+    x, row_index, offsets, tpe, slot_vals, row_weight, dot_src, R, align, tail_lo, dt
+):
+    has_vals = slot_vals is not None or dot_src is not None
+    return x.new_empty(R, x.shape[1]), x.new_empty(R if has_vals else 0, dtype=dt)
+
+
+@kernel_op("permute_scatter", fake=_scatter_fake)
+def scatter(
+    x: torch.Tensor,  # [T, H] unit stride along H
+    row_index: torch.Tensor,  # [T, k] int32 contiguous
+    offsets: torch.Tensor | None,  # [E] int32 (None: every row is written)
+    tokens_per_expert: torch.Tensor | None,  # [E] int32 (None likewise)
+    slot_vals: torch.Tensor | None,  # [T, k] contiguous → vals
+    row_weight: torch.Tensor | None,  # [R] contiguous: rows scaled by it
+    dot_src: torch.Tensor | None,  # [R, H] → vals[r] = <x[t], dot_src[r]>
+    num_rows: int,  # R
+    align: int,  # padding rows of each segment are zeroed
+    tail_lo: int,  # static lower bound of offsets[-1]
+    vals_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # rows [R, H], vals [R] (or [0] without vals)
+    """Each token's row to its k rows; padding and tail rows zero (``scatter_rows_torch``)."""
+    has_vals = slot_vals is not None or dot_src is not None
+    if not use_triton(x):
+        out, vals = scatter_rows_torch(x, row_index, num_rows, slot_vals, row_weight, dot_src)
+        return out, vals.to(vals_dtype) if has_vals else x.new_empty(0, dtype=vals_dtype)
+    H = x.shape[1]
+    out = torch.empty(num_rows, H, dtype=x.dtype, device=x.device)
+    vals = torch.empty(num_rows if has_vals else 0, dtype=vals_dtype, device=x.device)
+    out_vals = vals if has_vals else None
+    roles = (
+        x, row_index, offsets, tokens_per_expert, slot_vals, row_weight, dot_src, out, out_vals,
+    )  # fmt: skip
+    key = None
+    if x.is_cuda:
+        key = ("permute_scatter", align, tail_lo, *map(tensor_key, roles))
+
+    def body() -> None:  # not run when the launches are replayed: config choice included
+        config = copy_config("scatter", row_index.shape[1], H, dot=dot_src is not None)
+        kernels.scatter_rows(
+            x, row_index, offsets, tokens_per_expert, out, out_vals, config,
+            slot_vals=slot_vals, row_weight=row_weight, dot_src=dot_src, align=align,
+            tail_lo=tail_lo,
+        )  # fmt: skip
+
+    replayed(key, roles, body)
+    return out, vals
+
+
+def _gather_fake(src, row_index, row_weight, row_vals):
+    T, k = row_index.shape
+    if row_vals is None:
+        return src.new_empty(T, src.shape[1]), src.new_empty(0)
+    return src.new_empty(T, src.shape[1]), row_vals.new_empty(T, k)
+
+
+@kernel_op("permute_gather", fake=_gather_fake)
+def gather(
+    src: torch.Tensor,  # [R, H] unit stride along H
+    row_index: torch.Tensor,  # [T, k] int32 contiguous
+    row_weight: torch.Tensor | None,  # [R] contiguous
+    row_vals: torch.Tensor | None,  # [R] contiguous → vals
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H], vals [T, k] (or [0] without row_vals)
+    """Sum of each token's k rows in fp32, weighted by ``row_weight``; ``vals[t, s] =
+    row_vals[row_index[t, s]]`` (0 where dropped)."""
+    T, k = row_index.shape
+    if not use_triton(src):
+        vals = slot_values(row_vals, row_index) if row_vals is not None else src.new_empty(0)
+        return gather_rows_torch(src, row_index, row_weight), vals
+    out = torch.empty(T, src.shape[1], dtype=src.dtype, device=src.device)
+    vals = src.new_empty(0) if row_vals is None else row_vals.new_empty(T, k)
+    out_vals = vals if row_vals is not None else None
+    roles = (src, row_index, row_weight, row_vals, out, out_vals)
+    key = ("permute_gather", *map(tensor_key, roles)) if src.is_cuda else None
+
+    def body() -> None:
+        config = copy_config("gather", k, src.shape[1])
+        kernels.gather_rows(
+            src, row_index, out, config, row_weight=row_weight, row_vals=row_vals, out_vals=out_vals
+        )
+
+    replayed(key, roles, body)
+    return out, vals
 
 
 # ------------------------------------------------------------------------------------------------
 # Autograd
 # ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What the copy kernels need besides the tensors: static sizes and which zero-fills run."""
-
-    row_index: torch.Tensor  # [T, k] int32
-    offsets: torch.Tensor  # [E] int32
-    tokens_per_expert: torch.Tensor  # [E] int32
-    num_rows: int  # R
-    pad_programs: bool  # aligned segments: zero each expert's padding rows
-    pad_rows: int  # at most this many padding rows per expert (align − 1)
-    tail_lo: int  # static lower bound of offsets[-1]; rows [offsets[-1], R) are zeroed
-
-
-def _scatter(
-    layout: _Layout,
-    x: torch.Tensor,
-    *,
-    slot_vals: torch.Tensor | None = None,
-    row_weight: torch.Tensor | None = None,
-    dot_src: torch.Tensor | None = None,
-    out_vals_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    R, H = layout.num_rows, x.shape[1]
-    out = torch.empty((R, H), dtype=x.dtype, device=x.device)
-    has_vals = slot_vals is not None or dot_src is not None
-    vals_dtype = out_vals_dtype or torch.float32
-    out_vals = torch.empty(R, dtype=vals_dtype, device=x.device) if has_vals else None
-
-    def launches():
-        _k.scatter_rows(
-            x, layout.row_index, R, layout.offsets, layout.tokens_per_expert,
-            slot_vals=slot_vals, row_weight=row_weight, dot_src=dot_src,
-            out_vals_dtype=vals_dtype, pad_programs=layout.pad_programs,
-            pad_rows=layout.pad_rows, tail_lo=layout.tail_lo, out=out, out_vals=out_vals,
-        )  # fmt: skip
-
-    key = None
-    if x.is_cuda:
-        key = (
-            "scatter", sig(x), sig(layout.row_index), sig(layout.offsets), R, sig(slot_vals),
-            sig(row_weight), sig(dot_src), vals_dtype, layout.pad_programs, layout.pad_rows,
-            layout.tail_lo,
-        )  # fmt: skip
-    roles = (
-        x, layout.row_index, layout.offsets, layout.tokens_per_expert, slot_vals, row_weight,
-        dot_src, out, out_vals,
-    )  # fmt: skip
-    replayed(key, roles, launches)
-    return out, out_vals
-
-
-def _gather(
-    src: torch.Tensor,
-    row_index: torch.Tensor,
-    *,
-    row_weight: torch.Tensor | None = None,
-    row_vals: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    T, k = row_index.shape
-    out = torch.empty((T, src.shape[1]), dtype=src.dtype, device=src.device)
-    out_vals = None
-    if row_vals is not None:
-        out_vals = torch.empty((T, k), dtype=row_vals.dtype, device=src.device)
-
-    def launches():
-        _k.gather_rows(
-            src, row_index, row_weight=row_weight, row_vals=row_vals, out=out, out_vals=out_vals
-        )
-
-    key = None
-    if src.is_cuda:
-        key = ("gather", sig(src), sig(row_index), sig(row_weight), sig(row_vals))
-    replayed(key, (src, row_index, row_weight, row_vals, out, out_vals), launches)
-    return out, out_vals
-
-
-def _routing_metadata(idx: torch.Tensor, E: int, align: int) -> tuple[torch.Tensor, ...]:
-    """The three metadata launches into buffers of ours (so that they can be replayed)."""
-    dev = idx.device
-    row_index = torch.empty(idx.shape, dtype=torch.int32, device=dev)
-    tokens_per_expert = torch.empty(E, dtype=torch.int32, device=dev)
-    counts = torch.empty(E, dtype=torch.int32, device=dev)
-    offsets = torch.empty(E, dtype=torch.int32, device=dev)
-    scratch = torch.empty(_k.metadata_scratch_numel(idx.numel(), E), dtype=torch.int32, device=dev)
-    outs = (row_index, tokens_per_expert, counts, offsets, scratch)
-    key = ("meta", sig(idx), E, align) if idx.is_cuda else None
-    replayed(key, (idx, *outs), lambda: _k.routing_metadata(idx, E, align, out=outs))
-    return row_index, tokens_per_expert, counts, offsets
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
@@ -171,102 +196,76 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
 
 
 class _PermuteFn(torch.autograd.Function):
+    """hidden [T, H] → rows [R, H], probs [T, k] → row probs [R] (empty without probs).
+    Also serves sort_chunks_by_index (k = 1, no offsets)."""
+
     @staticmethod
-    def forward(ctx, hidden, probs, layout: _Layout):
+    def forward(
+        ctx, hidden, probs, row_index, offsets, tokens_per_expert, num_rows, align, tail_lo
+    ):
         ctx.set_materialize_grads(False)
-        ctx.layout = layout
-        ctx.hidden_meta = (hidden.shape, hidden.dtype, hidden.device)
-        return _scatter(
-            layout,
-            hidden,
-            slot_vals=probs,
-            out_vals_dtype=None if probs is None else probs.dtype,
-        )
+        ctx.save_for_backward(row_index)
+        ctx.hidden_meta = (tuple(hidden.shape), hidden.dtype)
+        vals_dtype = probs.dtype if probs is not None else hidden.dtype
+        return scatter(
+            hidden, row_index, offsets, tokens_per_expert, probs, None, None, num_rows, align,
+            tail_lo, vals_dtype,
+        )  # fmt: skip
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
-        layout: _Layout = ctx.layout
+        (row_index,) = ctx.saved_tensors
         need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not need_p or grad_probs is None:
+            grad_probs = None
+        else:
+            grad_probs = grad_probs.contiguous()  # the gather reads it by row index
         grad_hidden = grad_slot = None
         if need_h and grad_out is not None:
             # Permute's adjoint is the unweighted combine; dprobs rides along in the same pass.
-            grad_hidden, grad_slot = _gather(
-                _rowmajor(grad_out),
-                layout.row_index,
-                row_vals=grad_probs if need_p else None,
-            )
-        elif need_h:
-            shape, dtype, device = ctx.hidden_meta
-            grad_hidden = torch.zeros(shape, dtype=dtype, device=device)
-        if need_p and grad_probs is not None and grad_slot is None:
-            grad_slot = _gather_slots(grad_probs, layout.row_index)
-        return grad_hidden, grad_slot, None
-
-
-def _gather_slots(row_vals: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
-    """[T, k] = row_vals[row_index], 0 for dropped slots (tiny; plain torch)."""
-    keep = row_index >= 0
-    vals = row_vals[torch.where(keep, row_index, 0).long()]
-    return torch.where(keep, vals, torch.zeros_like(vals))
+            grad_hidden, vals = gather(_rowmajor(grad_out), row_index, None, grad_probs)
+            grad_slot = vals if grad_probs is not None else None
+        else:
+            if need_h:
+                shape, dtype = ctx.hidden_meta
+                grad_hidden = torch.zeros(shape, dtype=dtype, device=row_index.device)
+            if grad_probs is not None:
+                grad_slot = slot_values(grad_probs, row_index)
+        return grad_hidden, grad_slot, None, None, None, None, None, None
 
 
 class _UnpermuteFn(torch.autograd.Function):
+    """rows [R, H] (and row probs [R]) → tokens [T, H]."""
+
     @staticmethod
-    def forward(ctx, expert_out, row_probs, layout: _Layout):
+    def forward(ctx, expert_out, row_probs, row_index, offsets, tokens_per_expert, align, tail_lo):
         ctx.set_materialize_grads(False)
-        ctx.layout = layout
-        ctx.weighted = row_probs is not None
         need_dprobs = row_probs is not None and ctx.needs_input_grad[1]
-        ctx.save_for_backward(row_probs, expert_out if need_dprobs else None)
-        out, _ = _gather(expert_out, layout.row_index, row_weight=row_probs)
+        ctx.save_for_backward(
+            row_index, offsets, tokens_per_expert, row_probs, expert_out if need_dprobs else None
+        )
+        ctx.static = (expert_out.shape[0], align, tail_lo)
+        ctx.probs_dtype = row_probs.dtype if row_probs is not None else expert_out.dtype
+        out, _ = gather(expert_out, row_index, row_probs, None)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        layout: _Layout = ctx.layout
-        row_probs, expert_out = ctx.saved_tensors
         if grad_out is None:
-            return None, None, None
-        need_p = ctx.weighted and ctx.needs_input_grad[1]
-        grad_rows, grad_row_probs = _scatter(
-            layout,
-            _rowmajor(grad_out),
-            row_weight=row_probs,
-            dot_src=expert_out if need_p else None,
-            out_vals_dtype=row_probs.dtype if need_p else None,
-        )
-        return grad_rows, grad_row_probs, None
+            return None, None, None, None, None, None, None
+        row_index, offsets, tokens_per_expert, row_probs, expert_out = ctx.saved_tensors
+        num_rows, align, tail_lo = ctx.static
+        # Rows no slot maps to (padding, tail, dropped) get zero gradient from the zero-fills.
+        grad_rows, grad_row_probs = scatter(
+            _rowmajor(grad_out), row_index, offsets, tokens_per_expert, None, row_probs,
+            expert_out, num_rows, align, tail_lo, ctx.probs_dtype,
+        )  # fmt: skip
+        grad_row_probs = grad_row_probs if expert_out is not None else None
+        return grad_rows, grad_row_probs, None, None, None, None, None
 
 
-class _SortChunksFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, probs, layout: _Layout):
-        ctx.set_materialize_grads(False)
-        ctx.layout = layout
-        ctx.x_meta = (x.shape, x.dtype, x.device)
-        return _scatter(
-            layout,
-            x,
-            slot_vals=None if probs is None else probs.view(-1, 1),
-            out_vals_dtype=None if probs is None else probs.dtype,
-        )
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_probs):
-        layout: _Layout = ctx.layout
-        need_x, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        grad_x = grad_p = None
-        if need_x:
-            if grad_out is None:
-                grad_out = torch.zeros(ctx.x_meta[0], dtype=ctx.x_meta[1], device=ctx.x_meta[2])
-            grad_x, grad_p = _gather(
-                _rowmajor(grad_out),
-                layout.row_index,
-                row_vals=grad_probs if need_p else None,
-            )
-        if need_p and grad_probs is not None and grad_p is None:
-            grad_p = _gather_slots(grad_probs, layout.row_index)
-        return grad_x, None if grad_p is None else grad_p.view(-1), None
+_apply_permute = function_apply(_PermuteFn)
+_apply_unpermute = function_apply(_UnpermuteFn)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,7 +284,7 @@ def _check_int(name: str, value: object, lo: int) -> int:
 def _check_hidden(name: str, t: object) -> torch.Tensor:
     t = check_tensor(name, t)
     check_ndim(name, t, 2, "[T, H]")
-    check_dtype(name, t, _FLOAT_DTYPES)
+    check_dtype(name, t, FLOAT_DTYPES)
     if t.shape[1] > 1 and t.stride(1) != 1:
         raise ValueError(
             f"{name} must have unit stride along H (rows may be strided), got strides "
@@ -302,15 +301,90 @@ def _check_align(align: object) -> int:
     return align
 
 
-def _assert_indices_in_range(indices: torch.Tensor, num_experts: int, what: str) -> None:
-    ok = ((indices >= 0) & (indices < num_experts)).all()
-    msg = f"{what} has entries outside [0, num_experts={num_experts})"
-    if indices.is_cuda:
-        # Device-side check: raises at the next synchronisation, never forces one here.
+def _check_probs(probs: object, shape: tuple[int, int], what: str, hidden: torch.Tensor):
+    """probs: a float tensor on hidden's device of ``shape`` (``what`` says where it comes from)."""
+    probs = check_tensor("probs", probs)
+    check_ndim("probs", probs, 2, what)
+    if tuple(probs.shape) != shape:
+        raise ValueError(f"probs must have the shape {what} = {shape}, got {tuple(probs.shape)}")
+    check_dtype("probs", probs, FLOAT_DTYPES)
+    check_same_device("probs", probs, "hidden", hidden)
+    return probs
+
+
+def _assert_on_device(ok: torch.Tensor, msg: str, bad: torch.Tensor | None = None) -> None:
+    """Raise ``msg`` if ``ok`` is False: on CUDA a device-side assert that surfaces at the next
+    synchronisation (never forcing one here), on CPU a ValueError now."""
+    if ok.is_cuda:
         torch._assert_async(ok, msg)
     elif not bool(ok):
-        bad = indices[(indices < 0) | (indices >= num_experts)]
-        raise ValueError(f"{msg}: e.g. {bad[:4].tolist()}")
+        raise ValueError(msg if bad is None else f"{msg}: e.g. {bad[:4].tolist()}")
+
+
+def _slots_from_routing_map(hidden, routing_map, probs, num_experts, topk, validate):
+    """(indices [T, k], probs [T, k] or None, E, k) of a [T, E] routing map."""
+    T = hidden.shape[0]
+    routing_map = check_tensor("routing_map", routing_map)
+    check_ndim("routing_map", routing_map, 2, "[T, E]")
+    check_dim_size("routing_map", routing_map, 0, T, "hidden.shape[0] (T)")
+    check_same_device("routing_map", routing_map, "hidden", hidden)
+    if routing_map.dtype.is_floating_point or routing_map.dtype.is_complex:
+        raise TypeError(f"routing_map must be bool or int, got {routing_map.dtype}")
+    E = routing_map.shape[1]
+    if num_experts is not None and _check_int("num_experts", num_experts, 1) != E:
+        raise ValueError(f"num_experts = {num_experts} disagrees with routing_map.shape[1] = {E}")
+    _check_int("routing_map.shape[1] (E)", E, 1)
+    k = E if topk is None else _check_int("topk", topk, 1)
+    if k > E:
+        raise ValueError(f"topk must be <= E = {E}, got {k}")
+    if probs is not None:
+        probs = _check_probs(probs, (T, E), "[T, E] (with routing_map)", hidden)
+    if validate:
+        ok = ((routing_map != 0).sum(dim=1) <= k).all()
+        _assert_on_device(ok, f"routing_map routes some token to more than topk = {k} experts")
+    indices, probs = routing_map_to_indices(routing_map, probs, k)
+    return indices, probs, E, k
+
+
+def _slots_from_indices(hidden, indices, probs, num_experts, topk, validate):
+    """(indices [T, k], probs [T, k] or None, E, k), checked."""
+    if indices is None:
+        raise ValueError("indices ([T, k] expert ids) or routing_map ([T, E]) is required")
+    if num_experts is None:
+        raise ValueError("num_experts is required with indices (E, the number of experts)")
+    E = _check_int("num_experts", num_experts, 1)
+    if topk is not None:
+        raise ValueError("topk is only used with routing_map; k is indices.shape[1]")
+    indices = check_tensor("indices", indices)
+    check_ndim("indices", indices, 2, "[T, k]")
+    check_dim_size("indices", indices, 0, hidden.shape[0], "hidden.shape[0] (T)")
+    check_dtype("indices", indices, _INDEX_DTYPES)
+    check_same_device("indices", indices, "hidden", hidden)
+    k = _check_int("indices.shape[1] (k)", indices.shape[1], 1)
+    if probs is not None:
+        probs = _check_probs(probs, tuple(indices.shape), "of indices [T, k]", hidden)
+    if validate:
+        bad = (indices < 0) | (indices >= E)
+        msg = f"indices has entries outside [0, num_experts={E})"
+        _assert_on_device(~bad.any(), msg, None if bad.is_cuda else indices[bad])
+    return indices, probs, E, k
+
+
+def _capacity(capacity_factor: object, out_rows: object, T: int, k: int, E: int, a: int) -> int:
+    """Rows per expert kept by ``capacity_factor``: ceil(cf·T·k/E), rounded up to ``align``."""
+    if out_rows is not None:
+        raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
+    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+        raise TypeError(f"capacity_factor must be a float, got {type(capacity_factor).__name__}")
+    if not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    capacity = math.ceil(capacity_factor * T * k / E)
+    return -(-capacity // a) * a
+
+
+def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
+    # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
+    return min(slots, num_rows) if dropless else 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -345,158 +419,63 @@ def permute(
             ``indices``; each token's first ``topk`` routed experts are taken, ascending id.
         align: pad each expert's segment to a multiple of ``align`` rows (FP8/FP4 GEMMs).
             R becomes the static bound ``T·k + min(E, T·k)·(align − 1)``.
-        out_rows: an int R (rows past it are dropped: size it with care), or ``"exact"`` for
-            R = offsets[-1], which reads one int back to the host (a sync).
+        out_rows: an int R, or ``"exact"`` for R = offsets[-1], which reads one int back to the
+            host (a sync). An R below what the routing needs drops rows the way
+            TransformerEngine's ``num_out_tokens`` does: the first R rows of the expert-sorted
+            (padded) order are kept, the slots whose row would be ``>= R`` are dropped, and
+            ``dropless`` is False whenever R is below the static bound above.
         capacity_factor: keep at most ``C = ceil(cf·T·k/E)`` rows per expert (rounded up to
-            ``align``), dropping the lowest probs first; R = E·C. Dropped slots get zeros back from
-            ``unpermute``.
+            ``align``), dropping the lowest probs first; R = E·C.
         validate: check index ranges on the device (``torch._assert_async``: no host sync; the
             error surfaces at the next synchronisation).
+
+    Dropped slots get ``row_index = −1``, no row, and zeros back from ``unpermute``.
 
     Returns:
         A :class:`Dispatch`; ``dispatch.hidden`` is ``[R, H]`` in hidden's dtype.
     """
     hidden = _check_hidden("hidden", hidden)
-    T = hidden.shape[0]
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     if routing_map is not None:
         if indices is not None:
             raise ValueError("pass either indices or routing_map, not both")
-        routing_map = check_tensor("routing_map", routing_map)
-        check_ndim("routing_map", routing_map, 2, "[T, E]")
-        check_dim_size("routing_map", routing_map, 0, T, "hidden.shape[0] (T)")
-        check_same_device("routing_map", routing_map, "hidden", hidden)
-        if routing_map.dtype.is_floating_point or routing_map.dtype.is_complex:
-            raise TypeError(f"routing_map must be bool or int, got {routing_map.dtype}")
-        E = routing_map.shape[1]
-        if num_experts is not None and _check_int("num_experts", num_experts, 1) != E:
-            raise ValueError(
-                f"num_experts = {num_experts} disagrees with routing_map.shape[1] = {E}"
-            )
-        _check_int("routing_map.shape[1] (E)", E, 1)
-        k = E if topk is None else _check_int("topk", topk, 1)
-        if k > E:
-            raise ValueError(f"topk must be <= E = {E}, got {k}")
-        if probs is not None:
-            probs = check_tensor("probs", probs)
-            check_ndim("probs", probs, 2, "[T, E] (with routing_map)")
-            check_dim_size("probs", probs, 0, T, "hidden.shape[0] (T)")
-            check_dim_size("probs", probs, 1, E, "routing_map.shape[1] (E)")
-            check_dtype("probs", probs, _FLOAT_DTYPES)
-            check_same_device("probs", probs, "hidden", hidden)
-        if validate:
-            per_token = (routing_map != 0).sum(dim=1)
-            ok = (per_token <= k).all()
-            msg = f"routing_map routes some token to more than topk = {k} experts"
-            if routing_map.is_cuda:
-                torch._assert_async(ok, msg)
-            elif not bool(ok):
-                raise ValueError(msg)
-        idx, probs = _ref.routing_map_to_indices_torch(routing_map, probs, k)
-        may_drop = True
+        slots = _slots_from_routing_map(hidden, routing_map, probs, num_experts, topk, validate)
     else:
-        if indices is None:
-            raise ValueError("indices ([T, k] expert ids) or routing_map ([T, E]) is required")
-        if num_experts is None:
-            raise ValueError("num_experts is required with indices (E, the number of experts)")
-        E = _check_int("num_experts", num_experts, 1)
-        if topk is not None:
-            raise ValueError("topk is only used with routing_map; k is indices.shape[1]")
-        idx = check_tensor("indices", indices)
-        check_ndim("indices", idx, 2, "[T, k]")
-        check_dim_size("indices", idx, 0, T, "hidden.shape[0] (T)")
-        check_dtype("indices", idx, _INDEX_DTYPES)
-        check_same_device("indices", idx, "hidden", hidden)
-        k = idx.shape[1]
-        _check_int("indices.shape[1] (k)", k, 1)
-        if probs is not None:
-            probs = check_tensor("probs", probs)
-            check_ndim("probs", probs, 2, "[T, k]")
-            if tuple(probs.shape) != (T, k):
-                raise ValueError(
-                    f"probs must have the shape of indices (T, k) = {(T, k)}, got "
-                    f"{tuple(probs.shape)}"
-                )
-            check_dtype("probs", probs, _FLOAT_DTYPES)
-            check_same_device("probs", probs, "hidden", hidden)
-        if validate:
-            _assert_indices_in_range(idx, E, "indices")
-        may_drop = False
+        slots = _slots_from_indices(hidden, indices, probs, num_experts, topk, validate)
+    idx, probs, E, k = slots
     a = _check_align(align)
-
+    T = hidden.shape[0]
+    # A routing map may give a token fewer than topk experts: those slots are dropped.
+    may_drop = routing_map is not None
+    exact = isinstance(out_rows, str) and out_rows == "exact"
     if capacity_factor is not None:
-        if out_rows is not None:
-            raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
-        if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-            raise TypeError(
-                f"capacity_factor must be a float, got {type(capacity_factor).__name__}"
-            )
-        if not capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
-        capacity = math.ceil(capacity_factor * T * k / E)
-        capacity = -(-capacity // a) * a
-        drop_probs = probs if probs is not None else torch.zeros(idx.shape, device=idx.device)
-        idx = _ref.capacity_drop_torch(idx, drop_probs.detach(), E, capacity)
-        num_rows = E * capacity
-        may_drop = True
+        capacity = _capacity(capacity_factor, out_rows, T, k, E, a)
+        drop_probs = (
+            probs.detach() if probs is not None else torch.zeros(idx.shape, device=idx.device)
+        )
+        idx = capacity_drop(idx, drop_probs, E, capacity)
+        num_rows, may_drop = E * capacity, True
+    elif out_rows is None or exact:
+        num_rows = max_rows(T, k, E, a)
     else:
-        num_rows = T * k + min(E, T * k) * (a - 1)
-
-    if not idx.is_contiguous():
-        idx = idx.contiguous()  # [T, k] ints: metadata-sized, not an activation copy
+        num_rows = _check_int("out_rows", out_rows, 0)
+        may_drop = may_drop or num_rows < max_rows(T, k, E, a)
+    row_index, tokens_per_expert, counts, offsets = routing_metadata(idx, E, a, num_rows)
+    if exact:
+        num_rows = int(offsets[-1])  # the one host sync, asked for by the caller
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()  # [T, k]: metadata-sized
-
-    triton_path = use_triton(hidden)
-    meta_fn = _routing_metadata if triton_path else _ref.routing_metadata_torch
-    row_index, tokens_per_expert, counts, offsets = meta_fn(idx, E, a)
-
-    if out_rows is not None:
-        if out_rows == "exact":
-            num_rows = int(offsets[-1])  # the one host sync, asked for by the caller
-        else:
-            num_rows = _check_int("out_rows", out_rows, 0)
-            if validate:
-                msg = f"out_rows = {num_rows} is smaller than the rows needed (offsets[-1])"
-                if offsets.is_cuda:
-                    torch._assert_async(offsets[-1] <= num_rows, msg)
-                elif int(offsets[-1]) > num_rows:
-                    raise ValueError(f"{msg} = {int(offsets[-1])}")
-
-    if triton_path:
-        layout = _Layout(
-            row_index=row_index,
-            offsets=offsets,
-            tokens_per_expert=tokens_per_expert,
-            num_rows=num_rows,
-            pad_programs=a > 1,
-            pad_rows=a - 1,
-            tail_lo=_tail_lo(not may_drop, T * k, num_rows),
-        )
-        out, out_probs = _PermuteFn.apply(hidden, probs, layout)
-    else:
-        out, out_probs = _ref.scatter_rows_torch(hidden, row_index, num_rows, probs)
-
+    out, out_probs = _apply_permute(
+        hidden, probs, row_index, offsets, tokens_per_expert, num_rows, a,
+        _tail_lo(not may_drop, T * k, num_rows),
+    )  # fmt: skip
     return Dispatch(
-        hidden=out,
-        probs=out_probs,
-        counts=counts,
-        offsets=offsets,
-        tokens_per_expert=tokens_per_expert,
-        row_index=row_index,
-        num_tokens=T,
-        topk=k,
-        num_experts=E,
-        align=None if a == 1 else a,
-        num_rows=num_rows,
+        hidden=out, probs=out_probs if probs is not None else None, counts=counts,
+        offsets=offsets, tokens_per_expert=tokens_per_expert, row_index=row_index,
+        num_tokens=T, topk=k, num_experts=E, align=None if a == 1 else a, num_rows=num_rows,
         dropless=not may_drop,
-    )
-
-
-def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
-    # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
-    return min(slots, num_rows) if dropless else 0
+    )  # fmt: skip
 
 
 def unpermute(
@@ -523,20 +502,13 @@ def unpermute(
             "unpermute(weighted=True) needs dispatch.probs: pass probs to permute, or "
             "weighted=False"
         )
-    row_probs = dispatch.probs if weighted else None
-    if not use_triton(expert_out):
-        return _ref.gather_rows_torch(expert_out, dispatch.row_index, row_probs)
-    layout = _Layout(
-        row_index=dispatch.row_index,
-        offsets=dispatch.offsets,
-        tokens_per_expert=dispatch.tokens_per_expert,
-        num_rows=dispatch.num_rows,
-        pad_programs=dispatch.align is not None,
-        pad_rows=(dispatch.align or 1) - 1,
+    slots = dispatch.num_tokens * dispatch.topk
+    return _apply_unpermute(
+        expert_out, dispatch.probs if weighted else None, dispatch.row_index, dispatch.offsets,
+        dispatch.tokens_per_expert, dispatch.align or 1,
         # Gradient rows that no slot maps to (padding, tail) must come back zero.
-        tail_lo=_tail_lo(dispatch.dropless, dispatch.num_tokens * dispatch.topk, dispatch.num_rows),
-    )
-    return _UnpermuteFn.apply(expert_out, row_probs, layout)
+        _tail_lo(dispatch.dropless, slots, dispatch.num_rows),
+    )  # fmt: skip
 
 
 def sort_chunks_by_index(
@@ -566,25 +538,10 @@ def sort_chunks_by_index(
         probs = check_tensor("probs", probs)
         check_ndim("probs", probs, 1, "[N]")
         check_dim_size("probs", probs, 0, N, "x.shape[0] (N)")
-        check_dtype("probs", probs, _FLOAT_DTYPES)
+        check_dtype("probs", probs, FLOAT_DTYPES)
         check_same_device("probs", probs, "x", x)
-        if not probs.is_contiguous():
-            probs = probs.contiguous()
-    row_map = _ref.sort_chunks_row_map_torch(split_sizes, sorted_index, N).view(N, 1)
-    if not use_triton(x):
-        out, out_probs = _ref.scatter_rows_torch(
-            x, row_map, N, None if probs is None else probs.view(N, 1)
-        )
-        return out, out_probs
-    layout = _Layout(
-        row_index=row_map,
-        # No padding and no tail (a permutation of all N rows), so these are never read.
-        offsets=row_map.view(-1),
-        tokens_per_expert=row_map.view(-1),
-        num_rows=N,
-        pad_programs=False,
-        pad_rows=0,
-        tail_lo=N,  # a permutation of all N rows: nothing to zero
-    )
-    out, out_probs = _SortChunksFn.apply(x, probs, layout)
-    return out, out_probs
+        probs = probs.contiguous().view(N, 1)
+    row_map = sort_chunks_row_map(split_sizes, sorted_index, N).view(N, 1)
+    # A permutation of all N rows: no padding, no tail (tail_lo = N), so no offsets.
+    out, out_probs = _apply_permute(x, probs, row_map, None, None, N, 1, N)
+    return out, out_probs if probs is not None else None

@@ -4,21 +4,31 @@
 ``residual_out = x + residual`` (rounded once to the input dtype) and
 ``normed = residual_out · rsqrt(mean(residual_out²) + eps) · weight``; fp32 inside.
 CUDA tensors run :mod:`moekit.kernels.rmsnorm`; CPU tensors the reference (or the kernel in
-Triton's interpreter with ``TRITON_INTERPRET=1``).
+Triton's interpreter with ``TRITON_INTERPRET=1``). The forward and backward are kernel ops
+(:mod:`moekit.ops.custom_op`), also used by the all-reduce ops.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moekit.kernels import rmsnorm as _k
-from moekit.ops._dispatch import use_triton
-from moekit.ops._validate import check_dtype, check_same_device, check_tensor
-from moekit.reference.rmsnorm import add_rmsnorm_ref
+from moekit.kernels import rmsnorm as kernels
+from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_same_device, check_tensor
+from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
+from moekit.runtime.device import num_sms, use_triton
+from moekit.runtime.replay import replayed, tensor_key
+from moekit.tuning.allreduce import rmsnorm_bwd_grid, row_num_warps
 
-__all__ = ["add_rmsnorm", "rmsnorm"]
-
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+__all__ = [
+    "add_rmsnorm",
+    "add_rmsnorm_backward",
+    "add_rmsnorm_forward",
+    "needs_grad",
+    "rmsnorm",
+    "rows",
+    "validate_norm_inputs",
+]
 
 
 def validate_norm_inputs(
@@ -37,15 +47,14 @@ def validate_norm_inputs(
     if x.dim() < 1:
         raise ValueError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
     H = x.shape[-1]
+    x_dtype = str(x.dtype).replace("torch.", "")
     if residual is None and residual_required:
         raise TypeError("residual must be a torch.Tensor, got None")
     if residual is not None:
         residual = check_tensor("residual", residual)
         if residual.dtype != x.dtype:
-            raise TypeError(
-                f"residual must have x's dtype {str(x.dtype).replace('torch.', '')}, "
-                f"got {str(residual.dtype).replace('torch.', '')}"
-            )
+            got = str(residual.dtype).replace("torch.", "")
+            raise TypeError(f"residual must have x's dtype {x_dtype}, got {got}")
         if residual.shape != x.shape:
             raise ValueError(
                 f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}"
@@ -56,10 +65,8 @@ def validate_norm_inputs(
     if weight is not None:
         weight = check_tensor("weight", weight)
         if weight.dtype not in (x.dtype, torch.float32):
-            raise TypeError(
-                f"weight must have x's dtype {str(x.dtype).replace('torch.', '')} or float32, "
-                f"got {str(weight.dtype).replace('torch.', '')}"
-            )
+            got = str(weight.dtype).replace("torch.", "")
+            raise TypeError(f"weight must have x's dtype {x_dtype} or float32, got {got}")
         if weight.shape != (H,):
             raise ValueError(f"weight must have shape (H,) = ({H},), got {tuple(weight.shape)}")
         check_same_device("weight", weight, "x", x)
@@ -73,27 +80,138 @@ def validate_norm_inputs(
     return x, residual, weight
 
 
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will want gradients of any of ``tensors``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# kernel ops (torch.library custom ops; see moekit.ops.custom_op)
+# --------------------------------------------------------------------------------------------
+
+
+def _forward_fake(x, residual, weight, eps, store_rstd):
+    T, H = x.shape
+    ro = x.new_empty(T if residual is not None else 0, H)
+    return x.new_empty(T, H), ro, x.new_empty(T if store_rstd else 0, dtype=torch.float32)
+
+
+def _launch_forward(x, residual, weight, y, ro, rstd, eps: float) -> None:
+    roles = (x, residual, weight, y, ro, rstd)
+    key = ("add_rmsnorm_fwd", eps, *map(tensor_key, roles)) if x.is_cuda else None
+    warps = row_num_warps(x.shape[1])
+
+    def body() -> None:
+        kernels.add_rmsnorm_fwd(x, residual, weight, y, ro, rstd, eps, warps)
+
+    replayed(key, roles, body)
+
+
+@kernel_op("add_rmsnorm_forward", fake=_forward_fake)
+def add_rmsnorm_forward(
+    x: torch.Tensor,  # [T, H] contiguous
+    residual: torch.Tensor | None,  # [T, H] like x
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    store_rstd: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(normed [T, H], residual_out [T, H] ([0, H] without a residual: it is x), rstd [T]
+    fp32 ([0] unless ``store_rstd``))``; inputs already validated."""
+    T, H = x.shape
+    if not use_triton(x):
+        normed, ro, rstd = add_rmsnorm_ref(x, residual, weight, eps)
+        ro = ro if residual is not None else x.new_empty(0, H)
+        return normed, ro, (rstd if store_rstd else rstd.new_empty(0))
+    y = torch.empty_like(x)
+    ro = torch.empty_like(x) if residual is not None else None
+    rstd = torch.empty(T if store_rstd else 0, dtype=torch.float32, device=x.device)
+    if T > 0:
+        _launch_forward(x, residual, weight, y, ro, rstd if store_rstd else None, eps)
+    return y, (ro if ro is not None else x.new_empty(0, H)), rstd
+
+
+def _backward_fake(dy, d_residual_out, residual_out, weight, rstd):
+    return torch.empty_like(dy), torch.empty_like(weight)
+
+
+def _launch_backward(dy, d_ro, ro, weight, rstd, dx) -> torch.Tensor:
+    T, H = ro.shape
+    grid = rmsnorm_bwd_grid(T, num_sms(dy))
+    dw_part = torch.empty(grid, H, dtype=torch.float32, device=dy.device)
+    roles = (dy, d_ro, ro, weight, rstd, dx, dw_part)
+    key = ("add_rmsnorm_bwd", *map(tensor_key, roles)) if dy.is_cuda else None
+    warps = row_num_warps(H)
+
+    def body() -> None:
+        kernels.add_rmsnorm_bwd(dy, d_ro, ro, weight, rstd, dx, dw_part, warps)
+
+    replayed(key, roles, body)
+    return dw_part.sum(0)
+
+
+@kernel_op("add_rmsnorm_backward", fake=_backward_fake)
+def add_rmsnorm_backward(
+    dy: torch.Tensor,  # [T, H] contiguous: grad of normed
+    d_residual_out: torch.Tensor | None,  # [T, H] contiguous: grad of residual_out
+    residual_out: torch.Tensor,  # [T, H] the norm's input, saved by the forward
+    weight: torch.Tensor,  # [H]
+    rstd: torch.Tensor,  # [T] fp32, saved by the forward
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx [T, H] in dy's dtype, dw [H] in weight's dtype)``; ``dx`` is also the gradient of
+    the residual (the add routes it to both inputs)."""
+    if not use_triton(dy):
+        return add_rmsnorm_bwd_ref(dy, d_residual_out, residual_out, weight, rstd)
+    dx = torch.empty_like(dy)
+    if dy.shape[0] == 0:
+        return dx, torch.zeros_like(weight)
+    dw = _launch_backward(dy, d_residual_out, residual_out, weight, rstd, dx)
+    return dx, dw.to(weight.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` [..., H] as [T, H] rows (a view)."""
+    return None if t is None else t.view(-1, t.shape[-1])
+
+
 class _AddRMSNormFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps):  # x/residual: [T, H]
-        normed, ro, rstd = _k.add_rmsnorm_fwd(x, residual, weight, eps)
-        ctx.save_for_backward(ro, weight, rstd)
-        ctx.has_residual = residual is not None
-        if residual is None:
-            return normed, ro.view_as(ro)
-        return normed, ro
+    """Outputs ``(normed, residual_out)`` with a residual, ``normed`` alone without one (the
+    caller returns x itself as residual_out then, and autograd routes its gradient).
+
+    Takes and returns [..., H] tensors and flattens them inside: the one gradient ``dx`` of x
+    and of the residual then reaches autograd as one tensor, which gives each input's ``.grad``
+    its own storage, where two views of it (made outside) would be stolen by both and share it.
+    """
 
     @staticmethod
-    def backward(ctx, d_normed, d_ro):
+    def forward(ctx, x, residual, weight, eps):  # x/residual: [..., H]
+        normed, ro, rstd = add_rmsnorm_forward(rows(x), rows(residual), weight, eps, True)
+        ctx.has_residual = residual is not None
+        ctx.save_for_backward(ro if residual is not None else rows(x), weight, rstd)
+        if residual is None:
+            return normed.view(x.shape)
+        return normed.view(x.shape), ro.view(x.shape)
+
+    @staticmethod
+    def backward(ctx, d_normed, d_ro=None):
         ro, weight, rstd = ctx.saved_tensors
-        if d_normed is None:
-            d_normed = torch.zeros_like(ro)
-        dx, dw = _k.add_rmsnorm_bwd(d_normed.contiguous(), _maybe(d_ro), ro, weight, rstd)
+        shape = d_normed.shape
+        d_ro = None if d_ro is None else rows(d_ro.contiguous())
+        dx, dw = add_rmsnorm_backward(rows(d_normed.contiguous()), d_ro, ro, weight, rstd)
+        dx = dx.view(shape)
         return dx, (dx if ctx.has_residual else None), dw, None
 
 
-def _maybe(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.contiguous()
+_apply_add_rmsnorm = function_apply(_AddRMSNormFn)
+
+
+# --------------------------------------------------------------------------------------------
+# public ops
+# --------------------------------------------------------------------------------------------
 
 
 def add_rmsnorm(
@@ -109,14 +227,14 @@ def add_rmsnorm(
     ``residual_out`` and the norm's gradient are summed and routed to both x and residual.
     """
     x, residual, weight = validate_norm_inputs(x, residual, weight, eps)
-    shape = x.shape
-    x2 = x.view(-1, shape[-1])
-    r2 = residual.view(-1, shape[-1]) if residual is not None else None
-    if not use_triton(x):
-        normed, ro, _ = add_rmsnorm_ref(x2, r2, weight, float(eps))
+    if not needs_grad(x, residual, weight):
+        normed, ro, _ = add_rmsnorm_forward(rows(x), rows(residual), weight, float(eps), False)
+        normed, ro = normed.view(x.shape), (ro.view(x.shape) if residual is not None else x)
+    elif residual is None:
+        normed, ro = _apply_add_rmsnorm(x, None, weight, float(eps)), x
     else:
-        normed, ro = _AddRMSNormFn.apply(x2, r2, weight, float(eps))
-    return normed.view(shape), ro.view(shape)
+        normed, ro = _apply_add_rmsnorm(x, residual, weight, float(eps))
+    return normed, ro
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

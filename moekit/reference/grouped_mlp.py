@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.reference.activations import Activation, apply_activation, resolve_activation
+from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
 
 

@@ -1,4 +1,5 @@
-"""The grouped-GEMM benchmark's routing draws and its averaging over draws (CPU, no timing)."""
+"""The benchmarks' routing draws and the grouped-GEMM benchmark's averaging over draws (CPU, no
+timing)."""
 
 from __future__ import annotations
 
@@ -11,24 +12,25 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
 import benchmark_grouped_gemm as bench_gg
+import common
 
 
 def test_skewed_routing_is_fixed_per_draw_and_leaves_the_caller_rng_alone():
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    a = bench_gg.skewed_routing(65536, 128, 1)
+    a = common.skewed_routing(65536, 128, 1)
     assert torch.equal(torch.random.get_rng_state(), before)
     torch.rand(5)  # other draws in between must not change a draw's routing
-    assert torch.equal(bench_gg.skewed_routing(65536, 128, 1), a)
-    assert not torch.equal(bench_gg.skewed_routing(65536, 128, 2), a)
+    assert torch.equal(common.skewed_routing(65536, 128, 1), a)
+    assert not torch.equal(common.skewed_routing(65536, 128, 2), a)
     assert int(a.sum()) == 65536 and int((a == 0).sum()) >= 1
 
 
 def test_draw_zero_is_the_routing_of_the_first_skewed_shape_before_draws():
-    # The benchmark drew the TE seed's skewed routing from seed 0 (global RNG and generator).
+    # The TE seed's skewed routing: seed 0 for the global RNG and for the generator.
     torch.manual_seed(0)
-    old = bench_gg.routing_counts(66560, 20, True, torch.Generator().manual_seed(0))
-    assert torch.equal(bench_gg.skewed_routing(66560, 20, 0), old)
+    old = common.routing_counts(66560, 20, True, torch.Generator().manual_seed(0))
+    assert torch.equal(common.skewed_routing(66560, 20, 0), old)
 
 
 def _row(shape, routing, pname, draw, moekit, torch_tf):

@@ -5,9 +5,11 @@
 
 Checks (every rank, failures raise): each algo vs the reference (residual_out bit-exact for the
 symmetric kernels, which sum in the reference's order), bit-identical outputs on every rank,
-1000 calls with changing data / shapes / algos (no stale reads, no deadlock), CUDA-graph capture
-and replay, the NCCL fallback when the pool is too small (one warning), bad input, group of size
-1, and backward. ``benchmarks/benchmark_allreduce_rmsnorm.py`` runs :func:`run_checks` first.
+1000 calls with changing data / shapes / algos (no stale reads, no deadlock), launch replay and a
+misaligned input, CUDA-graph capture and replay, the Lamport sentinel, the NCCL fallback when the
+pool is too small (one warning), bad input, group of size 1, backward, and
+``torch.compile(fullgraph=True)`` forward + backward.
+``benchmarks/benchmark_allreduce_rmsnorm.py`` runs :func:`run_checks` first.
 """
 
 from __future__ import annotations
@@ -23,14 +25,18 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from moekit.distributed import SymmetricPool, get_pool, init_distributed, set_pool
+from moekit.kernels import allreduce as kar
 from moekit.ops.allreduce import (
     allreduce,
     allreduce_add,
     allreduce_add_rmsnorm,
+    workspace_of,
 )
 from moekit.ops.rmsnorm import add_rmsnorm
 from moekit.reference.allreduce import gather_allreduce_ref
 from moekit.reference.rmsnorm import add_rmsnorm_ref
+from moekit.runtime.cache import cache_entries
+from moekit.tuning.allreduce import PLAN_CACHE_KIND
 
 ALGOS = ("one_shot", "two_shot", "lamport", "lamport_two_shot", "nccl", "auto")
 SYMM = ("one_shot", "two_shot", "lamport", "lamport_two_shot")
@@ -123,7 +129,7 @@ def check_back_to_back(device: torch.device, calls: int = 240) -> None:
     dist.barrier()
     for i, (x, residual) in enumerate(inputs):
         if (i // 3) % world == rank:
-            torch.cuda._sleep(50_000)  # ≈ 25 µs of GPU time on this rank only
+            torch.cuda._sleep(50_000)  # hold this rank back on the GPU; the others run ahead
         algo = (*SYMM, "auto")[i % (len(SYMM) + 1)]
         outs.append(allreduce_add_rmsnorm(x, residual, weight, algo=algo))
     torch.cuda.synchronize()
@@ -137,18 +143,15 @@ def check_back_to_back(device: torch.device, calls: int = 240) -> None:
 
 
 def check_cached_plans_and_alignment(device: torch.device) -> None:
-    """Repeated calls reuse one launch plan per shape (the compiled kernel is re-launched
-    directly); an input at a 2-byte offset (same shape, other pointer specialisation) must get its
-    own compiled kernel, not the aligned one."""
-    import importlib
-
-    ops = importlib.import_module("moekit.ops.allreduce")
+    """Repeated calls reuse one launch plan per shape (and replay the recorded launch); an input
+    at a 2-byte offset (same shape, other pointer specialisation) must take the normal launch
+    path and get its own compiled kernel, not replay the aligned one."""
     T, H = 24, 4096
     x, residual, weight = _inputs(T, H, torch.bfloat16, seed=77, device=device)
     for algo in SYMM:
         for _ in range(3):
             allreduce_add_rmsnorm(x, residual, weight, algo=algo)
-    n_plans = len(ops._plans)
+    n_plans = len(cache_entries(PLAN_CACHE_KIND))
     for algo in SYMM:
         for rep in range(5):
             x, residual, _ = _inputs(T, H, torch.bfloat16, seed=78 + rep, device=device)
@@ -162,7 +165,8 @@ def check_cached_plans_and_alignment(device: torch.device) -> None:
             n2, ro2 = allreduce_add_rmsnorm(xm, residual, weight, algo=algo)
             assert torch.equal(ro2, ref_ro), f"misaligned x {algo} rep {rep}"
             torch.testing.assert_close(n2, ref_n, atol=6e-2, rtol=1.6e-2)
-    assert len(ops._plans) == n_plans, f"plans grew {n_plans} → {len(ops._plans)}"
+    now = len(cache_entries(PLAN_CACHE_KIND))
+    assert now == n_plans, f"plans grew {n_plans} → {now}"
     _log(f"ok  cached launch plans reused ({n_plans}); misaligned input gets its own kernel")
 
 
@@ -198,17 +202,20 @@ def check_cuda_graph(device: torch.device) -> None:
 
 
 def check_lamport_specifics(device: torch.device) -> None:
-    """-0.0 inputs (the sentinel's value) must not hang or change the result; fp32 asking for
-    lamport takes one_shot with one warning; afterwards every Lamport slot is empty again."""
+    """Zero inputs of either sign (+0.0 is the empty sentinel) must not hang or change the
+    result; fp32 asking for lamport takes one_shot with one warning; afterwards every Lamport
+    slot is empty (zero) again."""
     pool = get_pool()
     for H in (4096, 7168):
-        x = torch.full((5, H), -0.0, dtype=torch.bfloat16, device=device)
-        residual = torch.zeros_like(x)
-        for algo in ("lamport", "lamport_two_shot"):
-            ro = allreduce_add(x, residual, algo=algo)
-            assert torch.equal(ro, torch.zeros_like(ro)), f"all -0.0 inputs, {algo}"
+        for zero in (0.0, -0.0):
+            x = torch.full((5, H), zero, dtype=torch.bfloat16, device=device)
+            residual = torch.zeros_like(x)
+            for algo in ("lamport", "lamport_two_shot"):
+                ro = allreduce_add(x, residual, algo=algo)
+                assert torch.equal(ro, torch.zeros_like(ro)), f"all {zero} inputs, {algo}"
         xm, residual, weight = _inputs(33, H, torch.float16, seed=H, device=device)
-        xm[::2] = -0.0
+        xm[::2] = 0.0
+        xm[1::4] = -0.0
         _, ref_ro = gather_allreduce_ref(xm, residual, weight, 1e-6)
         for algo in ("lamport", "lamport_two_shot"):
             assert torch.equal(allreduce_add_rmsnorm(xm, residual, weight, algo=algo)[1], ref_ro)
@@ -223,10 +230,10 @@ def check_lamport_specifics(device: torch.device) -> None:
     assert torch.equal(ro, ref_ro) and torch.equal(ro2, ref_ro), "fp32 lamport requests"
     torch.cuda.synchronize()
     dist.barrier()
-    region = pool._buffer[pool.lamport_offset :].view(torch.int16)
-    dirty = int((region != -32768).sum())
+    region = pool.buffer[workspace_of(pool).lamport_offset :].view(torch.int16)
+    dirty = int((region != kar.LAMPORT_SENTINEL_BITS).sum())
     assert dirty == 0, f"{dirty} Lamport slot elements not returned to the sentinel"
-    _log(f"ok  lamport(_two_shot): -0.0 inputs, fp32 → plain twin, {region.numel()} slots clean")
+    _log(f"ok  lamport(_two_shot): ±0.0 inputs, fp32 → plain twin, {region.numel()} slots clean")
 
 
 def check_pool_reuse() -> None:
@@ -239,7 +246,8 @@ def check_pool_reuse() -> None:
 def check_fallback_small_pool(device: torch.device) -> None:
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)))
-    set_pool(SymmetricPool(group, size_bytes=4096))
+    # room for the flags and two halves of 2 KiB; none for Lamport slots
+    set_pool(SymmetricPool(group, size_bytes=kar.SIGNAL_BYTES + 4096))
     x, residual, weight = _inputs(64, 4096, torch.bfloat16, seed=3, device=device)
     ref_n, ref_ro = gather_allreduce_ref(x, residual, weight, 1e-6)
     with warnings.catch_warnings(record=True) as rec:
@@ -319,6 +327,29 @@ def check_backward(device: torch.device) -> None:
     _log("ok  backward: identity through the all-reduce + local add/RMSNorm backward")
 
 
+def check_compile(device: torch.device) -> None:
+    """``torch.compile(fullgraph=True)`` forward + backward through the collective (one graph,
+    the kernel op opaque) matches the eager call."""
+    T, H = 32, 4096
+    for algo in ("one_shot", "lamport", "nccl"):
+        torch._dynamo.reset()
+        x, residual, weight = _inputs(T, H, torch.bfloat16, seed=31, device=device)
+        dy = _inputs(2 * T, H, torch.bfloat16, seed=32, device=device)[0]
+        inputs = (x.requires_grad_(), residual.requires_grad_(), weight.requires_grad_())
+
+        def fn(x, r, w, algo=algo):
+            return torch.cat(allreduce_add_rmsnorm(x, r, w, algo=algo))
+
+        eager = fn(*inputs)
+        want = torch.autograd.grad(eager, inputs, dy)
+        got_out = torch.compile(fn, fullgraph=True)(*inputs)
+        got = torch.autograd.grad(got_out, inputs, dy)
+        torch.testing.assert_close(got_out, eager, atol=6e-2, rtol=1.6e-2)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, atol=6e-2, rtol=1.6e-2)
+    _log("ok  torch.compile(fullgraph=True) forward + backward (one_shot, lamport, nccl)")
+
+
 def run_checks(*, iters: int = 1000) -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
@@ -330,6 +361,7 @@ def run_checks(*, iters: int = 1000) -> None:
     check_cuda_graph(device)
     check_lamport_specifics(device)
     check_backward(device)
+    check_compile(device)
     check_bad_input(device)
     check_fallback_small_pool(device)  # last: registers a small pool for a new group only
     torch.cuda.synchronize()

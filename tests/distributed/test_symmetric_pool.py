@@ -1,12 +1,14 @@
 """SymmetricPool and the torchrun-environment helpers (CPU / gloo, two spawned ranks).
 
 The pool on CPU must report itself unavailable with a reason (the ops then fall back); the GPU
-behaviour (rendezvous once, reuse, fallback when too small) is checked by
-``tests/distributed/gpu_allreduce_check.py`` under torchrun.
+behaviour (zeroed buffers, rendezvous once, reuse, fallback when too small) is checked by
+``tests/distributed/gpu_allreduce_check.py`` under torchrun. The pool is generic: it knows
+nothing of the all-reduce's workspace, and imports nothing above ``config`` and ``runtime``.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import tempfile
 
@@ -31,6 +33,21 @@ def test_disable_multicast_env_sets_unset_vars(monkeypatch):
     assert all(os.environ[k] == v for k, v in got.items())
 
 
+def test_distributed_imports_only_lower_layers():
+    import moekit.distributed
+
+    folder = os.path.dirname(moekit.distributed.__file__)
+    for name in os.listdir(folder):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moekit."):
+                layer = node.module.split(".")[1]
+                assert layer in ("config", "runtime", "distributed"), (name, node.module)
+
+
 def test_pool_needs_initialised_group():
     from moekit.distributed import SymmetricPool
 
@@ -52,26 +69,34 @@ def _worker(rank: int, store_dir: str) -> None:
         DEFAULT_POOL_BYTES,
         SymmetricPool,
         get_pool,
+        group_from_name,
         init_distributed,
         set_pool,
     )
+    from moekit.distributed.symmetric_pool import pool_generation
 
     info = init_distributed(backend="gloo")
     try:
         assert (info.rank, info.world_size, info.local_rank) == (rank, WORLD, rank)
         assert os.environ["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
         assert init_distributed().rank == rank  # idempotent
+        assert group_from_name(info.group.group_name) is info.group
+        with pytest.raises(ValueError, match="no process group is registered"):
+            group_from_name("no such group")
         pool = get_pool()
         assert get_pool() is pool  # created once per group, then reused
+        gen = pool_generation()
         if info.device.type == "cpu":
             assert not pool.available and "CUDA" in pool.reason
-            assert not pool.fits(1)
+            assert pool.buffer is None and pool.peer_bases is None and pool.epochs is None
+        assert (pool.rank, pool.world_size) == (rank, WORLD)
         os.environ["MOEKIT_SYMM_POOL_MB"] = "0.5"
-        assert SymmetricPool().capacity == 1 << 19
+        assert SymmetricPool().nbytes == 1 << 19
         del os.environ["MOEKIT_SYMM_POOL_MB"]
-        assert SymmetricPool().capacity == DEFAULT_POOL_BYTES
+        assert SymmetricPool().nbytes == DEFAULT_POOL_BYTES
         small = set_pool(SymmetricPool(size_bytes=4096))
-        assert get_pool() is small and small.capacity == 4096
+        assert get_pool() is small and small.nbytes == 4096
+        assert pool_generation() != gen  # users of the old pool's addresses rebuild
         with pytest.raises(ValueError, match="size_bytes must be >= 0"):
             SymmetricPool(size_bytes=-1)
         assert "unavailable" in repr(small) or "available" in repr(small)

@@ -16,6 +16,7 @@ import triton
 
 from moekit.kernels import grouped_gemm as K
 from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
+from moekit.tuning import grouped_gemm as tuning
 
 
 def _offsets(counts, device):
@@ -51,10 +52,10 @@ def _check(cfg, counts, K_, N, dtype, device, *, k_major, bias, tail_rows=3):
 @pytest.mark.parametrize("k_major", [False, True])
 def test_gpu_every_ragged_m_candidate(k_major):
     counts = [0, 1, 63, 64, 65, 127, 128, 129, 200, 777, 0, 3000]
-    # _ragged_m_candidates sets a_bounded (small experts) and GROUP_M 16 (large K and N) on
+    # ragged_m_candidates sets a_bounded (small experts) and GROUP_M 16 (large K and N) on
     # every candidate; the 3000-row expert has 24 m-tiles, so bands of 16 differ from 8.
     variants = [(False, 8), (True, 8), (False, 16) if k_major else (True, 16)]
-    for base in K._candidates("m", torch.bfloat16):
+    for base in tuning.RAGGED_M_CANDIDATES:
         for bounded, group_m in variants:
             cfg = dataclasses.replace(base, a_bounded=bounded, group_m=group_m)
             _check(cfg, counts, 1024, 768, torch.bfloat16, "cuda", k_major=k_major, bias=k_major)
@@ -88,7 +89,7 @@ def _check_ragged_k(cfg, counts, M, N, dtype, device, *, accumulate, calls=2):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gpu_every_ragged_k_candidate(accumulate):
     counts = [0, 1, 63, 64, 65, 127, 2000, 129, 0, 700]
-    for cfg in K._candidates("k", torch.bfloat16):
+    for cfg in tuning.RAGGED_K_CANDIDATES:
         try:
             _check_ragged_k(cfg, counts, 400, 520, torch.bfloat16, "cuda", accumulate=accumulate)
         except triton.runtime.errors.OutOfResources:
@@ -102,7 +103,7 @@ def test_gpu_every_ragged_k_candidate(accumulate):
 def test_gpu_dynamic_ragged_k_in_cuda_graph():
     """A dynamically scheduled launch captured in a graph: every replay starts from a zeroed
     counter and gives the right result for new data."""
-    cfg = next(c for c in K._candidates("k", torch.bfloat16) if c.dynamic)
+    cfg = next(c for c in tuning.RAGGED_K_CANDIDATES if c.dynamic)
     counts = [0, 300, 5, 1200, 64]
     offsets = _offsets(counts, "cuda")
     T = sum(counts)
@@ -134,7 +135,7 @@ def test_gpu_flattened_dynamic_ragged_k_schedules():
     routing switch schedules and stay right."""
     from moekit.kernels._runtime import tile_counter
 
-    cfg = K._RAGGED_K_DEFAULT_16
+    cfg = tuning.RAGGED_K_DEFAULT_16
     assert cfg.flatten and cfg.dynamic
     T, E = sum(_TE_SEED_SKEWED), len(_TE_SEED_SKEWED)
     uniform = [T // E] * E
@@ -169,11 +170,11 @@ def test_ragged_k_default_by_output_dtype(out_dtype):
     """The untuned ragged-K config (no autotuning, CUDA-graph capture) depends on the output:
     the routing-chosen schedule for 16-bit outputs, the dynamic one for fp32 (whose flattened
     static loop is slow); the candidates are the same set either way."""
-    cands = K._ragged_k_candidates(torch.bfloat16, out_dtype)
-    assert set(cands) == set(K._candidates("k", torch.bfloat16))
+    cands = tuning.ragged_k_candidates(torch.bfloat16, out_dtype)
+    assert set(cands) == set(tuning.RAGGED_K_CANDIDATES)
     assert len(cands) == len(set(cands))
     assert cands[0].dynamic and cands[0].flatten == (out_dtype != torch.float32)
-    assert K._ragged_k_candidates(torch.float32, out_dtype) == K._CANDIDATES_32
+    assert tuning.ragged_k_candidates(torch.float32, out_dtype) == tuning.FP32_CANDIDATES
 
 
 @pytest.mark.parametrize(
@@ -195,15 +196,15 @@ def test_ragged_m_default_by_shape(T, E, K_, N, fine, bounded, wide):
     short K; with at most 512 rows per expert on average every candidate loads A bounded at
     the expert's end; outside the fine-grained case, with K and N >= 2048, every candidate
     swizzles over bands of 16 m-tiles. The candidates are otherwise the same."""
-    cands = K._ragged_m_candidates(torch.bfloat16, T, E, K_, N)
-    lead = dataclasses.replace(K._RAGGED_M_FINE_GRAINED, a_bounded=bounded)
+    cands = tuning.ragged_m_candidates(torch.bfloat16, T, E, K_, N)
+    lead = dataclasses.replace(tuning.RAGGED_M_FINE_GRAINED, a_bounded=bounded)
     assert (cands[0] == lead) == fine
     assert all(c.a_bounded == bounded for c in cands)
     assert all(c.group_m == (16 if wide else 8) for c in cands)
     base = {dataclasses.replace(c, a_bounded=False, group_m=8) for c in cands}
-    assert base == set(K._candidates("m", torch.bfloat16))
-    assert len(cands) == len(K._candidates("m", torch.bfloat16))
-    assert K._ragged_m_candidates(torch.float32, T, E, K_, N) == K._CANDIDATES_32
+    assert base == set(tuning.RAGGED_M_CANDIDATES)
+    assert len(cands) == len(tuning.RAGGED_M_CANDIDATES)
+    assert tuning.ragged_m_candidates(torch.float32, T, E, K_, N) == tuning.FP32_CANDIDATES
 
 
 def test_dynamic_schedule_counter_resets(monkeypatch):
@@ -216,7 +217,7 @@ def test_dynamic_schedule_counter_resets(monkeypatch):
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     counter = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(K, "tile_counter", lambda device: counter)
-    cfg = dataclasses.replace(K._INTERPRET_CONFIG, dynamic=True)
+    cfg = dataclasses.replace(tuning.INTERPRET_CONFIG, dynamic=True)
     for accumulate in (False, True, False):
         _check_ragged_k(cfg, [0, 40, 3, 70], 32, 64, torch.float16, "cpu", accumulate=accumulate,
                         calls=1)  # fmt: skip
@@ -245,7 +246,7 @@ def test_flattened_ragged_k_loop(counts, M):
 
     if not interpret_mode():
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
-    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True)
+    cfg = dataclasses.replace(tuning.INTERPRET_CONFIG, flatten=True)
     for accumulate in (False, True):
         _check_ragged_k(cfg, counts, M, 64, torch.float16, "cpu", accumulate=accumulate,
                         calls=1)  # fmt: skip
@@ -274,7 +275,7 @@ def test_flattened_dynamic_ragged_k_picks_its_schedule(counts, static, monkeypat
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     counter = torch.tensor([10**6, 0], dtype=torch.int32)
     monkeypatch.setattr(K, "tile_counter", lambda device: counter)
-    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True, dynamic=True)
+    cfg = dataclasses.replace(tuning.INTERPRET_CONFIG, flatten=True, dynamic=True)
     E, M, N = len(counts), 96, 32  # 3 tiles per expert at the interpreter's 32 x 32 tile
     offsets = _offsets(counts, "cpu")
     dy = torch.randn(sum(counts), M, dtype=torch.float16)
@@ -290,7 +291,7 @@ def test_flattened_dynamic_ragged_k_picks_its_schedule(counts, static, monkeypat
         assert torch.isnan(out).all()
 
 
-@pytest.mark.parametrize("slack_pct", [0, 10**6, K.STATIC_DEAL_SLACK_PCT])
+@pytest.mark.parametrize("slack_pct", [0, 10**6, tuning.GemmConfig(1, 1, 1).static_slack_pct])
 @pytest.mark.parametrize(
     "counts", [[0, 40, 0, 3, 70, 0], [90, 0, 0, 0], [33, 31, 65, 2, 0, 17, 50], [0, 0, 0]]
 )
@@ -305,8 +306,9 @@ def test_flattened_dynamic_ragged_k_either_schedule(counts, slack_pct, monkeypat
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     counter = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(K, "tile_counter", lambda device: counter)
-    monkeypatch.setattr(K, "STATIC_DEAL_SLACK_PCT", slack_pct)
-    cfg = dataclasses.replace(K._INTERPRET_CONFIG, flatten=True, dynamic=True)
+    cfg = dataclasses.replace(
+        tuning.INTERPRET_CONFIG, flatten=True, dynamic=True, static_slack_pct=slack_pct
+    )
     for accumulate in (False, True):
         _check_ragged_k(cfg, counts, 48, 64, torch.float16, "cpu", accumulate=accumulate,
                         calls=1)  # fmt: skip
@@ -321,9 +323,9 @@ def test_random_skewed_routing(E):
     T = 10_000
     like = torch.zeros(1, dtype=torch.int32)
     state = torch.get_rng_state()
-    ends = K._random_skewed_offsets(T, E, like)
+    ends = tuning.random_skewed_offsets(T, E, like)
     assert torch.equal(torch.get_rng_state(), state)
-    assert torch.equal(ends, K._random_skewed_offsets(T, E, like))
+    assert torch.equal(ends, tuning.random_skewed_offsets(T, E, like))
     assert ends.dtype == torch.int32 and ends.shape == (E,) and int(ends[-1]) == T
     counts = ends.diff(prepend=ends[:1] * 0)
     assert torch.all(counts >= 0)
@@ -336,8 +338,8 @@ def test_routing_robust_tuning_times_both_routings():
     (built once)."""
     seen = []
     offsets = torch.tensor([3, 3, 10], dtype=torch.int32)
-    own, other = K.routing_robust_tuning(
-        lambda cfg, offs=offsets: seen.append((cfg, offs)), 10, 3, offsets
+    own, other = tuning.routing_robust_launches(
+        lambda cfg, offsets=offsets: seen.append((cfg, offsets)), 10, 3, offsets
     )
     own("cfg")
     other("cfg")
@@ -345,7 +347,7 @@ def test_routing_robust_tuning_times_both_routings():
     assert [c for c, _ in seen] == ["cfg", "cfg", "cfg2"]
     assert seen[0][1] is offsets
     assert seen[1][1] is seen[2][1]  # built once
-    assert torch.equal(seen[1][1], K._random_skewed_offsets(10, 3, offsets))
+    assert torch.equal(seen[1][1], tuning.random_skewed_offsets(10, 3, offsets))
 
 
 @pytest.mark.parametrize(
@@ -359,10 +361,10 @@ def test_routing_robust_tuning_times_both_routings():
     ],
 )
 def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, expect):
-    """``_pick_config`` with one launch per routing: a candidate replaces the default only if
+    """``choose_config`` with one launch per routing: a candidate replaces the default only if
     it is faster by more than ``keep_default_within`` on every routing (timings faked)."""
-    default = K.GemmConfig(128, 256, 64, flatten=True, expert_groups=True)
-    other = K.GemmConfig(128, 256, 64)
+    default = tuning.GemmConfig(128, 256, 64, flatten=True, expert_groups=True)
+    other = tuning.GemmConfig(128, 256, 64)
     times = {(default, 0): 1.0, (default, 1): 2.0}
     times[(other, 0)], times[(other, 1)] = 1.0 / speedups[0], 2.0 / speedups[1]
 
@@ -373,14 +375,13 @@ def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, ex
         _, cfg, routing = fn()
         return times[(cfg, routing)]
 
-    monkeypatch.setattr(K, "interpret_mode", lambda: False)
-    monkeypatch.setattr(K, "autotune_enabled", lambda: True)
-    monkeypatch.setattr(K.torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(K.triton.testing, "do_bench", fake_bench)
-    monkeypatch.setattr(K, "_tuned", {})
-    got = K._pick_config(
-        "m", ("test", speedups), torch.bfloat16, torch.device("cuda"), (timed(0), timed(1)),
-        (default, other), keep_default_within=0.05,
+    monkeypatch.setattr(tuning, "interpret_mode", lambda: False)
+    monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
+    monkeypatch.setattr(tuning, "is_capturing", lambda: False)
+    monkeypatch.setattr(tuning.triton.testing, "do_bench", fake_bench)
+    got = tuning.choose_config(
+        "m", ("test", speedups), torch.bfloat16, torch.device("cuda"), (default, other),
+        lambda: (timed(0), timed(1)), keep_default_within=0.05,
     )  # fmt: skip
     assert got == (default if expect == "default" else other)
 
@@ -399,7 +400,7 @@ def test_expert_grouped_ragged_m_schedule(group_m, a_bounded):
     if not interpret_mode():
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     cfg = dataclasses.replace(
-        K._INTERPRET_CONFIG, expert_groups=True, group_m=group_m, a_bounded=a_bounded
+        tuning.INTERPRET_CONFIG, expert_groups=True, group_m=group_m, a_bounded=a_bounded
     )
     counts = [40, 0, 1, 70, 33, 0, 130, 5, 64]
     if group_m > 8:  # an expert of 19 m-tiles: one full band of 16 and one cut short
@@ -419,11 +420,11 @@ def test_experts_ending_within_the_first_tile(kind, monkeypatch):
         pytest.skip("runs the kernel in Triton's interpreter (TRITON_INTERPRET=1)")
     counts = [3, 0, 9, 19, 1, 40, 0, 70]  # ends 3, 3, 12, 31, 32, 72, 72, 142
     if kind.startswith("m"):
-        cfg = dataclasses.replace(K._INTERPRET_CONFIG, a_bounded=kind == "m a_bounded")
+        cfg = dataclasses.replace(tuning.INTERPRET_CONFIG, a_bounded=kind == "m a_bounded")
         _check(cfg, counts, 48, 40, torch.float16, "cpu", k_major=True, bias=True)
         return
     cfg = dataclasses.replace(
-        K._INTERPRET_CONFIG, dynamic=kind == "k dynamic", flatten=kind == "k flat"
+        tuning.INTERPRET_CONFIG, dynamic=kind == "k dynamic", flatten=kind == "k flat"
     )
     counter = torch.zeros(2, dtype=torch.int32)
     monkeypatch.setattr(K, "tile_counter", lambda device: counter)
@@ -435,16 +436,15 @@ def test_experts_ending_within_the_first_tile(kind, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_flattened_ragged_k_te_seed_routing():
     """The benchmark's skewed TE-seed routing (one idle expert, one with 37% of the rows, a
-    first expert of 25 rows) at full size: it faulted on the H100 with an early flattened loop
-    (then blamed on an idle expert's out-of-bounds K step; session 7 found the cause, a
-    descriptor base outside the tensor, see tests/kernels/test_tma_bounds.py)."""
+    first expert of 25 rows) at full size, where a descriptor base outside the tensor once
+    faulted (see tests/kernels/test_tma_bounds.py)."""
     counts = _TE_SEED_SKEWED
     offsets = _offsets(counts, "cuda")
     T = sum(counts)
     dy = torch.randn(T, 1024, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(T, 2048, dtype=torch.bfloat16, device="cuda")
     ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
-    for cfg in [c for c in K._candidates("k", torch.bfloat16) if c.flatten]:
+    for cfg in [c for c in tuning.RAGGED_K_CANDIDATES if c.flatten]:
         out = torch.full((len(counts), 1024, 2048), float("nan"), dtype=torch.bfloat16,
                          device="cuda")  # fmt: skip
         K.grouped_mm_ragged_k(dy.t(), x, offsets, out, False, config=cfg)

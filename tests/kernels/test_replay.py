@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moekit.kernels import _replay
+from moekit.runtime import replay as _replay
 
 
 def _axpy(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr, SCALE: tl.constexpr = 2):
@@ -102,8 +102,9 @@ def test_gpu_replay_of_a_dynamic_ragged_k_launch():
     fresh zeroed one (under CUDA-graph capture); results stay right on fresh data."""
     from moekit.kernels import grouped_gemm as G
     from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref
+    from moekit.tuning.grouped_gemm import RAGGED_K_CANDIDATES
 
-    cfg = next(c for c in G._candidates("k", torch.bfloat16) if c.dynamic)
+    cfg = next(c for c in RAGGED_K_CANDIDATES if c.dynamic)
     counts = torch.tensor([0, 300, 5, 1200, 64])
     offsets = counts.cumsum(0).to(torch.int32).cuda()
     T, M, N = int(counts.sum()), 256, 384

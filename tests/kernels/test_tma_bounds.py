@@ -1,11 +1,11 @@
 """The TMA kernels touch no address outside their tensors (GPU).
 
 Each operand lives at the very start (or end) of a mapping with unmapped address space around
-it (tests/_guarded_cuda.py), so any access outside the tensor faults. An earlier row-bounded
-descriptor had its base address (T + BLOCK) rows before the tensor; the TMA unit touches that
-page, which faulted on CUDA-graph replay wherever the graph's pool put a tensor at the start of
-a fresh mapping. Routings include experts that end within the first tile (the pointer paths
-that replace the row-bounded descriptor there), empty experts and rows past offsets[-1].
+it (tests/_guarded_cuda.py), so any access outside the tensor faults. A row-bounded descriptor
+whose base lies before the tensor faults this way (the TMA unit touches that page), as it would
+on CUDA-graph replay wherever the graph's pool puts a tensor at the start of a fresh mapping.
+Routings include experts that end within the first tile (the pointer paths that replace the
+row-bounded descriptor there), empty experts and rows past offsets[-1].
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ import pytest
 import torch
 import triton
 
+from moekit.activations import apply_activation, resolve_activation
 from moekit.kernels import grouped_gemm as K
 from moekit.kernels import grouped_mlp as MLP
-from moekit.reference.activations import apply_activation, resolve_activation
 from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
+from moekit.tuning import grouped_gemm as tuning
+from moekit.tuning import grouped_mlp as mlp_tuning
 
 COUNTS = [5, 0, 20, 700, 64, 129, 0, 1, 300]
 TAIL = 3  # rows past offsets[-1]
@@ -61,10 +63,10 @@ def test_gpu_ragged_m_operands_at_mapping_edges(guarded, at_end):
     out = guarded((T, N), torch.bfloat16, at_end)
     ref = grouped_mm_ragged_m_ref(a.float(), b.float(), offsets, torch.float32)
     # a_bounded: A read through a row-bounded box too
-    cands = K._candidates("m", torch.bfloat16)
+    cands = tuning.RAGGED_M_CANDIDATES
     for cfg in [*cands, *(dataclasses.replace(c, a_bounded=True) for c in cands)]:
         out.fill_(float("nan"))
-        K.grouped_mm_ragged_m(a, b, offsets, out, config=cfg)
+        K.grouped_mm_ragged_m(a, b, offsets, out, None, cfg)
         torch.cuda.synchronize()
         assert _rel(out, ref) < 2e-2, cfg
         assert torch.all(out[sum(COUNTS) :] == 0), cfg
@@ -78,7 +80,7 @@ def test_gpu_ragged_k_operands_at_mapping_edges(guarded, at_end):
     dy = guarded((T, M), torch.bfloat16, at_end)
     x = guarded((T, N), torch.bfloat16, at_end)
     ref = grouped_mm_ragged_k_ref(dy.t().float(), x.float(), offsets, torch.float32)
-    for cfg in K._candidates("k", torch.bfloat16):
+    for cfg in tuning.RAGGED_K_CANDIDATES:
         for accumulate in (False, True):
             if accumulate:
                 out = torch.randn(len(COUNTS), M, N, device="cuda")
@@ -108,12 +110,10 @@ def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave):
     a_re = guarded((R, F), torch.bfloat16, at_end=True)
     w2 = torch.randn(len(COUNTS), H, F, dtype=torch.bfloat16, device="cuda") / 16
     probs = torch.rand(R, device="cuda")
-    part = torch.empty(MLP.dact_partial_rows(F, interleave), R, device="cuda")
+    part = torch.empty(mlp_tuning.dact_partial_rows(F, interleave), R, device="cuda")
     dh.fill_(float("nan"))
-    MLP.grouped_mlp_dact(
-        dy, w2, offsets, h, probs, dh, a_re, part, act=act.name, gated=gated,
-        interleave=interleave,
-    )  # fmt: skip
+    cfg = mlp_tuning.dact_candidates(interleave)[0]
+    MLP.grouped_mlp_dact(dy, w2, offsets, h, probs, dh, a_re, part, act, interleave, cfg)
     torch.cuda.synchronize()
 
     routed = sum(COUNTS)

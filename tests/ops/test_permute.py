@@ -14,8 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from moekit.ops import routing
+from moekit.ops.custom_op import dispatcher_only
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.reference import permute as ref
+from moekit.runtime.cache import cache_clear, cache_entries
 from tests.reference.test_permute_reference import CASES, make_routing, naive_dispatch
 
 # The interpreter's scalar conversions warn under numpy >= 1.25; noise, not a finding.
@@ -33,7 +36,7 @@ def _routing(T, E, k, kind="random", device="cpu"):
 
 def _ref_dispatch(hidden, indices, probs, E, align, num_rows):
     """Reference forward: (row_index, tpe, counts, offsets, permuted, permuted_probs)."""
-    meta = ref.routing_metadata_torch(indices, E, align or 1)
+    meta = routing.routing_metadata_torch(indices, E, align or 1, num_rows)
     out, out_probs = ref.scatter_rows_torch(hidden, meta[0], num_rows, probs)
     return (*meta, out, out_probs)
 
@@ -81,6 +84,7 @@ def _check_invariants(d: Dispatch, hidden: torch.Tensor, indices: torch.Tensor) 
 @pytest.mark.parametrize("T,E,k,kind", CASES)
 @pytest.mark.parametrize("align", [None, 16])
 def test_permute_unpermute_match_reference(T, E, k, kind, align):
+    # Every Dispatch field and both ops against the reference, over the routing corner cases.
     indices, probs = _routing(T, E, k, kind)
     hidden = torch.randn(T, H_ODD)
     d = permute(hidden, indices, probs, num_experts=E, align=align)
@@ -104,6 +108,7 @@ def test_permute_unpermute_match_reference(T, E, k, kind, align):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_dtypes(dtype):
+    # Each supported float dtype keeps its dtype through permute and unpermute.
     T, E, k = 19, 6, 2
     indices, probs = _routing(T, E, k)
     hidden = torch.randn(T, H_ODD).to(dtype)
@@ -128,6 +133,7 @@ def test_every_align(align):
 
 
 def test_out_rows():
+    # out_rows="exact" (one sync) and a caller bound above the rows needed both keep every slot.
     T, E, k = 12, 5, 2
     indices, probs = _routing(T, E, k)
     hidden = torch.randn(T, 16)
@@ -143,6 +149,7 @@ def test_out_rows():
 
 @pytest.mark.parametrize("align", [None, 8])
 def test_capacity_factor(align):
+    # Capacity drops the lowest probs per expert; dropped slots give zeros back.
     T, E, k = 24, 4, 2
     indices, probs = _routing(T, E, k, "one_expert")  # overflows the favourite expert
     hidden = torch.randn(T, 16)
@@ -152,7 +159,7 @@ def test_capacity_factor(align):
     assert d.num_rows == E * capacity and not d.dropless
     assert bool((d.tokens_per_expert <= capacity).all())
     _check_invariants(d, hidden, indices)
-    kept_idx = ref.capacity_drop_torch(indices, probs, E, capacity)
+    kept_idx = routing.capacity_drop(indices, probs, E, capacity)
     assert torch.equal(d.row_index >= 0, kept_idx >= 0)
     # Every dropped slot is one whose prob is lower than all kept slots of its expert.
     for e in range(E):
@@ -169,6 +176,7 @@ def test_capacity_factor(align):
 
 
 def test_routing_map():
+    # TransformerEngine's [T, E] routing map gives the rows of the equivalent indices.
     T, E, k = 14, 6, 3
     indices, probs = _routing(T, E, k)
     hidden = torch.randn(T, 16)
@@ -202,6 +210,7 @@ def _moe_like(hidden, indices, probs, E, align, w, **kw):
 
 @pytest.mark.parametrize("align,capacity", [(None, None), (16, None), (8, 0.75)])
 def test_gradients_match_reference(align, capacity):
+    # The hand-written backward of both ops against autograd through the reference twins.
     T, E, k, H = 17, 5, 3, 24
     indices, probs = _routing(T, E, k, "shuffled")
     hidden = torch.randn(T, H, requires_grad=True)
@@ -213,9 +222,8 @@ def test_gradients_match_reference(align, capacity):
 
     idx = indices
     if capacity is not None:
-        idx = ref.capacity_drop_torch(indices, probs.detach(), E, d.num_rows // E)
-    *_, ph, pp = _ref_dispatch(hidden, idx, probs, E, align, d.num_rows)
-    row_index = ref.routing_metadata_torch(idx, E, align or 1)[0]
+        idx = routing.capacity_drop(indices, probs.detach(), E, d.num_rows // E)
+    row_index, *_, ph, pp = _ref_dispatch(hidden, idx, probs, E, align, d.num_rows)
     y_ref = ref.gather_rows_torch(ph @ w, row_index, pp)
     want = torch.autograd.grad(y_ref, (hidden, probs, w), g)
     torch.testing.assert_close(y, y_ref)
@@ -224,6 +232,7 @@ def test_gradients_match_reference(align, capacity):
 
 
 def test_gradients_unweighted_and_partial():
+    # Backward with only some inputs needing grad (and the unweighted combine).
     T, E, k, H = 9, 4, 2, 16
     indices, probs = _routing(T, E, k)
     hidden = torch.randn(T, H, requires_grad=True)
@@ -249,6 +258,7 @@ def test_gradients_unweighted_and_partial():
 
 @pytest.mark.parametrize("with_probs", [False, True])
 def test_sort_chunks_by_index(with_probs):
+    # The [rank][expert] → [expert][rank] reorder after an all-to-all, forward and backward.
     ranks, experts, H = 3, 4, 16
     sizes = torch.randint(0, 4, (ranks * experts,))
     sizes[1] = 0  # an empty chunk
@@ -269,10 +279,122 @@ def test_sort_chunks_by_index(with_probs):
     g = torch.randn_like(out)
     loss = (out * g).sum() + ((out_probs * torch.arange(N)).sum() if with_probs else 0)
     grads = torch.autograd.grad(loss, (x, probs) if with_probs else (x,))
-    row_map = ref.sort_chunks_row_map_torch(sizes, order, N).long()
+    row_map = routing.sort_chunks_row_map(sizes, order, N).long()
     torch.testing.assert_close(grads[0], g[row_map])
     if with_probs:
         torch.testing.assert_close(grads[1], row_map.float())
+
+
+# ------------------------------------------------------------------------------------------------
+# Token dropping with out_rows below the rows the routing needs (TransformerEngine's order)
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_out_rows_drop(T, H, E, k, align, R, device="cpu"):
+    """permute → linear → unpermute with R rows: the Dispatch fields against the loop oracle,
+    forward values and the hidden / probs / weight gradients against pure torch."""
+    indices, probs = _routing(T, E, k, "one_expert", device)
+    hidden = torch.randn(T, H, device=device, requires_grad=True)
+    probs.requires_grad_(True)
+    w = torch.randn(H, H, device=device, requires_grad=True)
+    d = permute(hidden, indices, probs, num_experts=E, align=align, out_rows=R)
+    want = naive_dispatch(indices.cpu(), E, align or 1, out_rows=R)
+    for name, w_field in want.items():
+        torch.testing.assert_close(getattr(d, name).cpu(), w_field, rtol=0, atol=0, msg=name)
+    assert d.num_rows == R and d.hidden.shape == (R, H) and not d.dropless
+    keep = d.row_index >= 0
+    last_row = int(naive_dispatch(indices.cpu(), E, align or 1)["row_index"].max())
+    assert bool(keep.all()) == (last_row < R)  # the cut drops exactly the rows at or past R
+    # Kept slots hold their token and prob; every other row is zero.
+    rows = d.row_index.long()[keep]
+    tok = torch.arange(T, device=device)[:, None].expand(T, k)[keep]
+    want_hidden = torch.zeros(R, H, device=device).index_put((rows,), hidden.detach()[tok])
+    want_probs = torch.zeros(R, device=device).index_put((rows,), probs.detach()[keep])
+    torch.testing.assert_close(d.hidden, want_hidden, rtol=0, atol=0)
+    torch.testing.assert_close(d.probs, want_probs, rtol=0, atol=0)
+    # A dropped slot contributes nothing: y[t] = Σ_kept p[t, s] · (hidden[t] @ w).
+    y = unpermute(d.hidden @ w, d)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, (hidden, probs, w), g)
+    y_ref = (probs * keep).sum(1, keepdim=True) * (hidden @ w)
+    want_grads = torch.autograd.grad(y_ref, (hidden, probs, w), g)
+    # cuBLAS may sum the GEMMs of [R, H] and [T, H] rows in different orders
+    tol = {"rtol": 1e-4, "atol": 1e-3} if device == "cuda" else {}
+    torch.testing.assert_close(y, y_ref, **tol)
+    for a, b in zip(got, want_grads):
+        torch.testing.assert_close(a, b, **tol)
+
+
+@pytest.mark.parametrize("align", [None, 16])
+def test_out_rows_below_needed_drops_in_te_order(align):
+    # Issue 23 defect 8: out_rows below the rows needed keeps the first R rows of the expert
+    # order and marks the rest dropped, so no gather indexes at or past R and no zero-fill
+    # writes past the output.
+    T, E, k, H = 14, 4, 2, 16
+    needed = routing.max_rows(T, k, E, align or 1)
+    # cuts well inside, near the end (on the last rows or in padding), just below the bound
+    for R in (T * k // 2, T * k - 1, needed - 1):
+        _check_out_rows_drop(T, H, E, k, align, R)
+
+
+def test_out_rows_at_or_above_bound_stays_dropless():
+    # An out_rows at the static bound drops nothing: dropless stays True and the tail is zero.
+    T, E, k = 12, 5, 2
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, 16)
+    d = permute(hidden, indices, probs, num_experts=E, align=8, out_rows=T * k + 5 * 7 + 3)
+    assert d.dropless and bool((d.row_index >= 0).all())
+    _check_invariants(d, hidden, indices)
+
+
+# ------------------------------------------------------------------------------------------------
+# Wrapping: dispatcher path and torch.compile
+# ------------------------------------------------------------------------------------------------
+
+
+def _moe_step(hidden, indices, probs, w, E):
+    d = permute(hidden, indices, probs, num_experts=E, align=8, out_rows=20)
+    y = unpermute(d.hidden @ w, d)
+    sizes = torch.full((4,), 3, device=y.device)
+    order = torch.tensor([2, 0, 3, 1], device=y.device)
+    z, pz = sort_chunks_by_index(y, sizes, order, probs[:, 0].contiguous())
+    return z * pz[:, None]
+
+
+def _moe_inputs(T=12, E=4, k=2, H=16):
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, H, requires_grad=True)
+    w = torch.randn(H, H, requires_grad=True)
+    return hidden, indices, probs.requires_grad_(True), w, E
+
+
+def _value_and_grads(fn, hidden, indices, probs, w, E):
+    out = fn(hidden, indices, probs, w, E)
+    grads = torch.autograd.grad(out, (hidden, probs, w), torch.ones_like(out))
+    return out, *grads
+
+
+def test_dispatcher_path_matches_eager_shortcut():
+    # The kernel ops and Functions through the dispatcher (what tracers see) give what the
+    # plain-eager shortcut gives.
+    args = _moe_inputs()
+    want = _value_and_grads(_moe_step, *args)
+    with dispatcher_only():
+        got = _value_and_grads(_moe_step, *args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compile_fullgraph_traces_forward_and_backward():
+    # permute, unpermute and sort_chunks_by_index trace as one graph (no graph break) with their
+    # backward, and the compiled step matches eager.
+    args = _moe_inputs()
+    want = _value_and_grads(_moe_step, *args)
+    torch._dynamo.reset()
+    compiled = torch.compile(_moe_step, fullgraph=True, backend="aot_eager")
+    got = _value_and_grads(compiled, *args)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,6 +403,7 @@ def test_sort_chunks_by_index(with_probs):
 
 
 def test_bad_input_errors():
+    # Bad input raises errors that name the argument, before any kernel runs.
     T, E, k = 6, 4, 2
     indices, probs = _routing(T, E, k)
     h = torch.randn(T, 16)
@@ -352,6 +475,7 @@ def _gpu_routing(T, E, k):
 @pytest.mark.parametrize("T,H,E,k", GPU_SHAPES)
 @pytest.mark.parametrize("align", [None, 16, 128])
 def test_gpu_matches_reference(T, H, E, k, align):
+    # The real shapes on CUDA (bf16), forward and backward, against the reference.
     _gpu_check(T, H, E, k, align)
 
 
@@ -359,16 +483,14 @@ def test_gpu_matches_reference(T, H, E, k, align):
 @pytest.mark.parametrize("align", [None, 128])
 def test_gpu_replayed_launches_match_reference(align):
     """From the third call of one static configuration on, permute / unpermute replay their
-    recorded launches with only the pointers swapped (moekit/ops/_launch_cache.py): every
-    call, on fresh tensors and a fresh routing, must still match the reference, and the
-    replays must actually be in use."""
-    from moekit.ops import _launch_cache
-
-    _launch_cache._REPLAYS.clear()
+    recorded launches with only the pointers swapped (moekit/runtime/replay.py): every call,
+    on fresh tensors and a fresh routing, must still match the reference, and the replays must
+    actually be in use."""
+    cache_clear("replay")
     for _ in range(5):
         _gpu_check(1000, 1024, 8, 2, align)
-    kinds = {key[0] for key, rep in _launch_cache._REPLAYS.items() if rep.ready}
-    assert kinds == {"meta", "scatter", "gather"}, kinds
+    kinds = {key[1] for key, rep in cache_entries("replay").items() if rep.ready}
+    assert kinds == {"routing_metadata", "permute_scatter", "permute_gather"}, kinds
 
 
 def _gpu_check(T, H, E, k, align):
@@ -408,19 +530,33 @@ def _gpu_check(T, H, E, k, align):
     ],
 )
 def test_gpu_metadata_large(T, E, k):
-    # The counting sort against the reference at sizes the interpreter cannot reach.
+    # The counting sort against the torch version at sizes the interpreter cannot reach, with
+    # and without rows cut at out_rows.
     indices, _ = _gpu_routing(T, E, k)
-    from moekit.kernels.permute import routing_metadata
-
     for align in (1, 128):
-        got = routing_metadata(indices, E, align)
-        want = ref.routing_metadata_torch(indices, E, align)
-        for g, w in zip(got, want):
-            assert torch.equal(g, w)
+        needed = routing.max_rows(T, k, E, align)
+        for R in (needed, needed // 3):
+            got = routing.routing_metadata(indices, E, align, out_rows=R)
+            want = routing.routing_metadata_torch(indices, E, align, R)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("align", [None, 16, 128])
+def test_gpu_out_rows_below_needed_drops_in_te_order(align):
+    # Issue 23 defect 8 on the GPU, where a row at or past R in the probs-gradient gather is a
+    # device-side assert and a padding write past R corrupts memory: the CPU test's checks.
+    T, E, k, H = 1000, 8, 2, 1024
+    needed = routing.max_rows(T, k, E, align or 1)
+    for R in (T * k // 2, needed - 1):
+        _check_out_rows_drop(T, H, E, k, align, R, device="cuda")
+    torch.cuda.synchronize()
 
 
 @pytest.mark.gpu
 def test_gpu_no_host_sync():
+    # No op reads back to the host: what makes a whole MoE block CUDA-graph capturable.
     T, H, E, k = 4096, 2048, 64, 8
     indices, probs = _gpu_routing(T, E, k)
     hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -429,7 +565,9 @@ def test_gpu_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for kw in ({}, {"align": 16}, {"capacity_factor": 1.25}, {"validate": True}):
+        kws = ({}, {"align": 16}, {"capacity_factor": 1.25}, {"validate": True},
+               {"out_rows": T * k // 2}, {"align": 16, "out_rows": T * k // 2})  # fmt: skip
+        for kw in kws:
             d = permute(hidden, indices, probs, num_experts=E, **kw)
             y = unpermute(d.hidden * 2, d)
             y.backward(torch.ones_like(y))
@@ -447,6 +585,7 @@ def test_gpu_no_host_sync():
 @pytest.mark.gpu
 @pytest.mark.parametrize("align", [None, 128])
 def test_gpu_cuda_graph_replay_new_routing(align):
+    # A captured step replayed on a new routing gives what eager gives.
     T, H, E, k = 2048, 1024, 32, 4
     s_idx, s_probs = _gpu_routing(T, E, k)
     s_hidden = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

@@ -1,5 +1,7 @@
 """Local fused residual add + RMSNorm: kernel (interpreter on CPU, GPU with ``-m gpu``) vs the
-reference, forward and backward, edge shapes and bad input."""
+reference, forward and backward, edge shapes, bad input, the kernel ops' schemas and fake
+implementations (``torch.library.opcheck``), the no-grad path, the dispatcher path, launch replay
+and a second backward through the graph."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import pytest
 import torch
 
 from moekit.nn.rmsnorm import RMSNorm
-from moekit.ops.rmsnorm import add_rmsnorm
+from moekit.ops.custom_op import dispatcher_only
+from moekit.ops.rmsnorm import add_rmsnorm, add_rmsnorm_backward, add_rmsnorm_forward, rmsnorm
 from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
 
 # (T, H): T=1 (decode), odd H (column masking), a non-power-of-two H, a wider row
@@ -93,3 +96,59 @@ def test_bad_input():
         add_rmsnorm(torch.randn(8, 4).t(), None, torch.ones(8))
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         RMSNorm(0)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_kernel_ops_opcheck(with_residual):
+    x, r, w = _inputs(5, 16, torch.float32, "cpu")
+    r = r if with_residual else None
+    for store_rstd in (True, False):
+        torch.library.opcheck(add_rmsnorm_forward.op, (x, r, w, 1e-6, store_rstd))
+    _, ro, rstd = add_rmsnorm_forward(x, r, w, 1e-6, True)
+    ro = ro if with_residual else x
+    dro = torch.randn(5, 16) if with_residual else None
+    torch.library.opcheck(add_rmsnorm_backward.op, (torch.randn(5, 16), dro, ro, w, rstd))
+
+
+def test_no_grad_dispatcher_and_identity_paths():
+    x, r, w = _inputs(6, 24, torch.float32, "cpu")
+    n, ro = add_rmsnorm(x, r, w)  # no input needs grad: the kernel op alone
+    with dispatcher_only():
+        n2, ro2 = add_rmsnorm(x, r, w)
+    wg = w.clone().requires_grad_()
+    n3, ro3 = add_rmsnorm(x, r, wg)  # through the autograd Function
+    for a, b in ((n2, n), (ro2, ro), (n3, n), (ro3, ro)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    assert add_rmsnorm(x, None, wg)[1] is x  # no residual: residual_out is x itself
+    torch.testing.assert_close(rmsnorm(x, w), add_rmsnorm(x, None, w)[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (2, 2, 32)])
+def test_backward_twice_with_retain_graph(shape):
+    # x and residual share one gradient; each .grad must still get its own storage, or the
+    # second backward would accumulate into both twice
+    x, r, w = _inputs(4, 32, torch.float32, "cpu")
+    x, r, w = x.view(shape).requires_grad_(), r.view(shape).requires_grad_(), w.requires_grad_()
+    n, ro = add_rmsnorm(x, r, w)
+    loss = (n * 2 + ro).sum()
+    loss.backward(retain_graph=True)
+    assert x.grad.data_ptr() != r.grad.data_ptr()
+    first = [t.grad.clone() for t in (x, r, w)]
+    loss.backward()
+    for t, g in zip((x, r, w), first):
+        torch.testing.assert_close(t.grad, 2 * g)
+
+
+@pytest.mark.gpu
+def test_gpu_launch_replay_matches_first_call():
+    # the first call launches normally, the second records, later ones replay
+    x, r, w = (t.requires_grad_() for t in _inputs(64, 4096, torch.bfloat16, "cuda"))
+    outs = []
+    for _ in range(4):
+        n, ro = add_rmsnorm(x, r, w)
+        n.float().sum().backward()
+        outs.append((n, ro, x.grad.clone(), w.grad.clone()))
+        x.grad = r.grad = w.grad = None
+    for got in outs[1:]:
+        for a, b in zip(got, outs[0]):
+            assert torch.equal(a, b)

@@ -1,13 +1,13 @@
-"""The pure-PyTorch permute twins against a loop-by-loop oracle.
+"""The pure-PyTorch permute copy twins against loop-by-loop oracles.
 
-The helpers here (routings, the naive dispatch) are shared with tests/ops/test_permute.py.
+The helpers here (routings, the naive dispatch) are shared with tests/ops/test_permute.py and
+tests/ops/test_routing.py.
 """
 
 from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 
 from moekit.reference import permute as ref
@@ -33,24 +33,32 @@ def make_routing(T: int, E: int, k: int, kind: str = "random") -> tuple[torch.Te
     return indices, probs
 
 
-def naive_dispatch(indices: torch.Tensor, E: int, align: int) -> dict[str, torch.Tensor]:
-    """Row of every (token, slot), by walking experts then tokens then slots in plain Python."""
+def naive_dispatch(
+    indices: torch.Tensor, E: int, align: int, out_rows: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Row of every (token, slot), by walking experts then tokens then slots in plain Python.
+
+    With ``out_rows``, TransformerEngine's drop order: a row at or past it is dropped (−1), the
+    segments are cut there and ``tokens_per_expert`` counts the rows kept."""
     T, k = indices.shape
+    limit = math.inf if out_rows is None else out_rows
     row_index = torch.full((T, k), -1, dtype=torch.int32)
     tpe, counts, offsets = [], [], []
-    r = 0
+    start = 0
     for e in range(E):
-        n = 0
+        n = kept = 0
         for t in range(T):
             for s in range(k):
                 if int(indices[t, s]) == e:
-                    row_index[t, s] = r + n
+                    if start + n < limit:
+                        row_index[t, s] = start + n
+                        kept += 1
                     n += 1
-        padded = math.ceil(n / align) * align
-        r += padded
-        tpe.append(n)
-        counts.append(padded)
-        offsets.append(r)
+        end = start + math.ceil(n / align) * align
+        tpe.append(kept)
+        counts.append(min(end, limit) - min(start, limit))
+        offsets.append(min(end, limit))
+        start = end
     as_t = lambda v: torch.tensor(v, dtype=torch.int32)
     return {
         "row_index": row_index,
@@ -76,33 +84,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("T,E,k,kind", CASES)
-@pytest.mark.parametrize("align", [1, 8, 16])
-def test_routing_metadata_matches_naive(T, E, k, kind, align):
-    indices, _ = make_routing(T, E, k, kind) if T else (torch.zeros(0, k, dtype=torch.long), None)
-    got = ref.routing_metadata_torch(indices, E, align)
-    want = naive_dispatch(indices, E, align)
-    for name, g in zip(("row_index", "tokens_per_expert", "counts", "offsets"), got):
-        assert g.dtype == torch.int32, name
-        torch.testing.assert_close(g, want[name], rtol=0, atol=0, msg=name)
-
-
-def test_routing_metadata_drops_out_of_range_slots():
-    # −1 marks a masked slot (capacity, routing_map); it must get no row and shift nothing.
-    indices = torch.tensor([[0, -1], [1, 0], [5, 1]])
-    row_index, tpe, _, offsets = ref.routing_metadata_torch(indices, 2, 1)
-    assert row_index.tolist() == [[0, -1], [2, 1], [-1, 3]]
-    assert tpe.tolist() == [2, 2] and offsets.tolist() == [2, 4]
+def _rows(T: int, E: int, k: int, align: int) -> tuple[torch.Tensor, int]:
+    """row_index of a random routing (a few slots dropped) and R, from the loop oracle."""
+    indices, _ = make_routing(T, E, k)
+    indices[::3, 0] = -1
+    R = T * k + min(E, T * k) * (align - 1)
+    return naive_dispatch(indices, E, align)["row_index"], R
 
 
 def test_scatter_gather_roundtrip():
+    # The permute / unpermute twins undo each other; rows no slot names stay zero.
     T, E, k, H = 11, 5, 2, 8
     indices, probs = make_routing(T, E, k)
-    row_index, *_ = ref.routing_metadata_torch(indices, E, 8)
+    row_index = naive_dispatch(indices, E, 8)["row_index"]
     R = T * k + min(E, T * k) * 7
     x = torch.randn(T, H)
     out, out_probs = ref.scatter_rows_torch(x, row_index, R, probs)
-    # Every row not named in row_index is zero, and its prob too.
     used = torch.zeros(R, dtype=torch.bool)
     used[row_index.reshape(-1).long()] = True
     assert not out[~used].any() and not out_probs[~used].any()
@@ -111,38 +108,46 @@ def test_scatter_gather_roundtrip():
     torch.testing.assert_close(back, x)  # probs sum to one per token
 
 
-def test_capacity_drop_keeps_highest_probs_in_token_order():
-    indices = torch.tensor([[0], [0], [0], [1]])
-    probs = torch.tensor([[0.1], [0.9], [0.5], [0.2]])
-    kept = ref.capacity_drop_torch(indices, probs, 2, capacity=2)
-    assert kept.view(-1).tolist() == [-1, 0, 0, 1]
-    # Ties keep the earlier token.
-    kept = ref.capacity_drop_torch(indices, torch.ones(4, 1), 2, capacity=1)
-    assert kept.view(-1).tolist() == [0, -1, -1, 1]
+def test_scatter_weighted_and_dot_match_loop():
+    # The unpermute-backward form of the scatter twin (rows scaled, the dot per row) against a
+    # loop; dropped slots (−1) and rows at or past R write nothing.
+    T, E, k, H, align = 9, 3, 2, 8, 8
+    row_index, R = _rows(T, E, k, align)
+    row_index[1, 1] = R  # a row past the output: must be ignored, not written
+    x, w, dot = torch.randn(T, H), torch.rand(R), torch.randn(R, H)
+    out, vals = ref.scatter_rows_torch(x, row_index, R, row_weight=w, dot_src=dot)
+    want, want_vals = torch.zeros(R, H), torch.zeros(R)
+    for t in range(T):
+        for s in range(k):
+            r = int(row_index[t, s])
+            if 0 <= r < R:
+                want[r] = x[t] * w[r]
+                want_vals[r] = (x[t] * dot[r]).sum()
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(vals, want_vals)
 
 
-def test_routing_map_to_indices():
-    routing_map = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 1], [0, 0, 0, 0]], dtype=torch.bool)
-    probs = torch.arange(12, dtype=torch.float32).view(3, 4)
-    indices, slot_probs = ref.routing_map_to_indices_torch(routing_map, probs, 2)
-    assert indices.tolist() == [[0, 2], [3, -1], [-1, -1]]
-    assert slot_probs.tolist() == [[0.0, 2.0], [7.0, 0.0], [0.0, 0.0]]
-
-
-def test_sort_chunks_row_map():
-    sizes = torch.tensor([2, 0, 3, 1])
-    order = torch.tensor([2, 0, 3, 1])
-    row_map = ref.sort_chunks_row_map_torch(sizes, order, 8)
-    # chunks: A=[0,1] B=[] C=[2,3,4] D=[5]; output C A D B, rows 6 and 7 stay.
-    assert row_map.tolist() == [3, 4, 0, 1, 2, 5, 6, 7]
+def test_gather_weighted_matches_loop():
+    # The unpermute twin: fp32 sum of each token's kept rows, weighted.
+    T, E, k, H, align = 9, 3, 3, 8, 8
+    row_index, R = _rows(T, E, k, align)
+    src, w = torch.randn(R, H), torch.rand(R)
+    want = torch.zeros(T, H)
+    for t in range(T):
+        for s in range(k):
+            r = int(row_index[t, s])
+            if r >= 0:
+                want[t] += src[r] * w[r]
+    torch.testing.assert_close(ref.gather_rows_torch(src, row_index, w), want)
 
 
 def test_composed_baseline_matches():
+    # The benchmarks' textbook baseline agrees with the twins (dropless, no padding).
     T, E, k, H = 13, 4, 2, 8
     indices, probs = make_routing(T, E, k)
     x = torch.randn(T, H)
     permuted, slots = ref.permute_composed_torch(x, indices, E)
-    row_index, *_ = ref.routing_metadata_torch(indices, E, 1)
+    row_index = naive_dispatch(indices, E, 1)["row_index"]
     ours, _ = ref.scatter_rows_torch(x, row_index, T * k)
     torch.testing.assert_close(permuted, ours)
     torch.testing.assert_close(ref.unpermute_composed_torch(permuted, slots, probs, T), x)

@@ -1,4 +1,7 @@
-"""MLP activations: their specification and pure-PyTorch definitions (the kernels' oracle).
+"""MLP activations: the public ``Activation`` type and the PyTorch definition of each.
+
+The definitions below are what the fused kernels compute; they also run the unfused paths
+(CPU, and configurations the fused kernels do not cover) and serve as the tests' oracle.
 
 Gated activations (``swiglu``, ``geglu``, ``clamped_swiglu``) read a pre-activation of width 2F
 holding a gate half and an up half and return width F; the others map width F to width F.
@@ -50,6 +53,7 @@ class Activation:
 
 
 def resolve_activation(activation: str | Activation) -> Activation:
+    """An ``Activation`` from its name (default constants) or itself."""
     if isinstance(activation, Activation):
         return activation
     if isinstance(activation, str):

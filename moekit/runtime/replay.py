@@ -1,21 +1,23 @@
-"""Re-issue a fixed sequence of Triton launches without Triton's per-call argument binding.
+"""The one launch path: every moekit kernel launch goes through :func:`launch`, and every op runs
+its launches inside :func:`replayed`.
 
-A Triton launch costs ~40 µs of host time for our ~30-argument kernels (binding, specialisation
-keys, cache look-up, option strings, hook and scratch plumbing, a driver query per pointer),
-which made a grouped-MLP forward+backward (7 launches) host-bound at small sizes. An op whose
-launch sequence depends only on static facts (shapes, strides, dtypes, flags) records that
-sequence once, through Triton's normal path, then replays it: each replayed launch calls the
-compiled kernel's C launcher directly with the recorded arguments, only the tensor pointers
-swapped for the current call's (a pointer may point into one of the op's tensors, e.g. a
-view of a scratch buffer: it is replayed at the same byte offset).
+A Triton launch costs tens of microseconds of host time for a kernel with ~30 arguments
+(binding, specialisation keys, cache look-up, a driver query per pointer), which makes small
+MoE problems host-bound. An op's launch sequence depends only on static facts (shapes,
+strides, dtypes, flags), so the op keys it on them: the first call of a key runs the launchers
+the normal way (configs get chosen or tuned then), the second also records each launch, and
+later calls replay them, calling each compiled kernel's C launcher directly with the recorded
+arguments and only the tensor pointers swapped for this call's (a pointer into one of the op's
+tensors, e.g. a view of a scratch buffer, is replayed at the same byte offset).
 
-Soundness: everything Triton specialises on must be the same as at recording time. The op keys
-its ``LaunchReplay`` on shapes, strides, dtypes, devices and flags (which fix every integer and
-constexpr argument and the grid); tensor pointers must be 16-byte aligned (what Triton assumed
-for them when recording: checked on every replay, a misaligned call takes the normal path);
-the device must be the one recorded on. Anything the recorder cannot map back to one of the
-op's tensors (a launcher-internal copy or scratch buffer, aliasing, a callable grid, launch hooks
-installed by a profiler) disables replay for that key, and the op keeps using the normal path.
+Soundness: everything Triton specialises on must be what it was when recorded. The key fixes
+every integer and constexpr argument and the grid; pointers must be 16-byte aligned (what
+Triton assumed for them when recording; checked on every replay, a misaligned call takes the
+normal path); the device must be the one recorded on. Anything the recorder cannot map back to
+one of the op's tensors (a launcher-internal copy, aliasing, a callable grid, launch hooks
+installed by a profiler) disables replay for that key, and the op keeps the normal path. The
+normal path is always what runs on CPU, under Triton's interpreter and with a profiler's
+launch hooks installed; tests compare the two.
 """
 
 from __future__ import annotations
@@ -24,14 +26,15 @@ import contextlib
 import contextvars
 import inspect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from triton import knobs
 
-from moekit.kernels._runtime import cuda_scratch, is_tile_counter, tile_counter_buffer
+from moekit.runtime.cache import cached
+from moekit.runtime.device import current_stream, is_tile_counter, scratch, tile_counter
 
-__all__ = ["LaunchReplay", "launch"]
+__all__ = ["LaunchReplay", "launch", "replayed", "tensor_key"]
 
 
 def _hooks_installed() -> bool:
@@ -190,13 +193,16 @@ class LaunchReplay:
     calls replay.
     """
 
-    __slots__ = ("_calls", "_counter", "_device", "_issue", "_scratch", "_seen", "disabled")
+    __slots__ = (
+        "_calls", "_counter", "_device", "_issue", "_scratch", "_seen", "_torch_device", "disabled",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self._calls: tuple[_Call, ...] | None = None
         self._issue = None  # _issue_function(self._calls)
         self._seen = 0
         self._device = -1
+        self._torch_device = torch.device("cpu")
         self._scratch = 0  # bytes of global scratch the largest launch needs
         self._counter = False  # whether a launch takes a tile counter
         self.disabled = False
@@ -213,16 +219,16 @@ class LaunchReplay:
         dev = self._device
         if _hooks_installed() or torch._C._cuda_getDevice() != dev:
             return False
-        stream = torch._C._cuda_getCurrentRawStream(dev)
+        stream = current_stream(dev)
         # One scratch block serves every launch: they run in order on this stream. (Held until
         # they are issued: under capture it is a fresh block that must not be handed out again.)
-        scratch_buf = cuda_scratch(self._scratch, dev, stream) if self._scratch else None
-        scratch = scratch_buf.data_ptr() if scratch_buf is not None else None
+        scratch_buf = scratch(self._scratch, dev, stream) if self._scratch else None
+        scratch_ptr = scratch_buf.data_ptr() if scratch_buf is not None else None
         counter = None
         if self._counter:  # the same per-stream counter the normal path would pass
-            counter = tile_counter_buffer(dev, stream)  # held until the launches are issued
+            counter = tile_counter(self._torch_device, stream)  # held until issued
         counter_ptr = counter.data_ptr() if counter is not None else 0
-        issued = self._issue(roles, counter_ptr, stream, scratch)
+        issued = self._issue(roles, counter_ptr, stream, scratch_ptr)
         del counter, scratch_buf
         return issued
 
@@ -275,8 +281,33 @@ class LaunchReplay:
                 return
             calls.append(c)
         self._device = torch.cuda.current_device()
+        self._torch_device = torch.device("cuda", self._device)
         self._scratch = max((c.scratch[0] for c in calls if c.scratch), default=0)
         self._counter = any(role == COUNTER_ROLE for c in calls for _, role, _ in c.slots)
         self._issue = _issue_function(calls)
         self._calls = tuple(calls)
         self.disabled = False
+
+
+def tensor_key(t: torch.Tensor | None) -> tuple | None:
+    """What a launcher's non-pointer arguments may take from a tensor: part of a replay key."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def replayed(
+    key: tuple | None, roles: Sequence[torch.Tensor | None], body: Callable[[], object]
+) -> None:
+    """Run ``body``'s launches for these tensors (the op's "roles", None for absent ones):
+    replayed when recorded, else run normally (and recorded on the second call of ``key``).
+
+    ``key`` holds everything the launchers' non-pointer arguments depend on (see
+    :func:`tensor_key`); ``None`` (CPU, the interpreter) just runs ``body``."""
+    if key is None:
+        body()
+        return
+    rep = cached(("replay", *key), LaunchReplay)
+    if not rep.run(roles):
+        with rep.recording(roles):
+            body()

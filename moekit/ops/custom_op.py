@@ -1,0 +1,84 @@
+"""How every moekit op is wrapped: kernel ops under an autograd Function.
+
+1. **Kernel ops** (:func:`kernel_op`): the non-differentiable work of an op (validation done,
+   kernels launched or the reference run) registered as a ``torch.library`` custom op
+   ``moekit::<name>`` with a fake implementation, so ``torch.compile(fullgraph=True)``,
+   ``FakeTensorMode`` and other tracers see one opaque node with known output shapes.
+2. **The autograd Function** of the op, whose ``forward`` and ``backward`` call kernel ops and
+   nothing else that touches tensors' memory, applied through :func:`function_apply`. Dynamo
+   traces such a Function into the graph, kernel ops and all.
+
+Host time: in plain eager mode (``moekit.runtime.eager.plain_eager``: no compile tracing, no
+functorch transform, no dispatch mode, no tensor subclass) a kernel op calls its
+implementation directly instead of going through the dispatcher, and ``function_apply`` calls
+the C++ ``Function.apply`` directly instead of its Python wrapper (which checks for
+``setup_context``, asks whether functorch transforms are active and rebuilds the argument
+tuple). Both shortcuts skip only what plain eager mode does not need; everything else takes
+the normal path. ``dispatcher_only()`` forces the normal path, which the tests compare against.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from moekit.runtime.eager import plain_eager
+
+__all__ = ["dispatcher_only", "function_apply", "kernel_op"]
+
+_force_normal_path = [False]
+
+
+@contextlib.contextmanager
+def dispatcher_only() -> Iterator[None]:
+    """Within this block every kernel op goes through the dispatcher and every Function through
+    ``Function.apply`` (the path the eager shortcuts are tested against)."""
+    _force_normal_path[0] = True
+    try:
+        yield
+    finally:
+        _force_normal_path[0] = False
+
+
+def kernel_op(
+    name: str, *, fake: Callable, mutates_args: Sequence[str] = ()
+) -> Callable[[Callable], Callable]:
+    """Decorator: register ``impl`` as the custom op ``moekit::<name>`` (its schema inferred from
+    the type hints) with the fake implementation ``fake``; returns the function to call.
+
+    The returned function runs ``impl`` directly in plain eager mode and the custom op
+    otherwise; ``.op`` is the custom op itself."""
+
+    def register(impl: Callable) -> Callable:
+        op = torch.library.custom_op(f"moekit::{name}", impl, mutates_args=tuple(mutates_args))
+        op.register_fake(fake)
+
+        @functools.wraps(impl)
+        def call(*args):
+            if _force_normal_path[0] or not plain_eager(args):
+                return op(*args)
+            return impl(*args)
+
+        call.op = op
+        return call
+
+    return register
+
+
+def function_apply(fn: type[torch.autograd.Function]) -> Callable:
+    """``fn.apply`` with the Python wrapper skipped in plain eager mode.
+
+    Only for Functions defined the classic way (``forward(ctx, ...)``, no ``setup_context``)."""
+    if torch.autograd.function._is_setup_context_defined(fn.setup_context):
+        raise TypeError(f"{fn.__name__} defines setup_context: use {fn.__name__}.apply")
+    c_apply = super(torch.autograd.Function, fn).apply
+
+    def apply(*args):
+        if _force_normal_path[0] or not plain_eager(args):
+            return fn.apply(*args)
+        return c_apply(*args)
+
+    return apply

@@ -1,0 +1,29 @@
+"""The one test of whether a tensor can be read or written through a TMA descriptor."""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tma_ready", "tma_rows"]
+
+
+def tma_ready(t: torch.Tensor, unit_dim: int = -1) -> bool:
+    """Whether the TMA engine can address ``t`` with ``unit_dim`` as its contiguous dimension.
+
+    The engine needs unit stride along that dimension, every other stride a multiple of 16
+    bytes and a 16-byte aligned base address (which is also what Triton specialises compiled
+    kernels on, so a replayed launch relies on this too).
+    """
+    if t.stride(unit_dim) != 1 and t.shape[unit_dim] > 1:
+        return False
+    size = t.element_size()
+    unit = unit_dim % t.dim()
+    return t.data_ptr() % 16 == 0 and all(
+        (s * size) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit
+    )
+
+
+def tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if TMA can address its rows (unit stride along the last dimension), else a
+    contiguous copy. Only views TMA cannot address (e.g. ``x[:, ::2]``) are copied."""
+    return t if tma_ready(t, -1) else t.contiguous()

@@ -1,0 +1,1 @@
+"""Config choice per op family: config types, shape-based defaults, autotune candidates."""

@@ -1,0 +1,76 @@
+"""Config choice for the fused grouped-MLP kernels (fc1 with the activation epilogue, and the
+fc2 dgrad with the activation backward): candidates, and fitting tiles to a GLU interleave.
+
+``BLOCK_N`` counts F-columns: a gated fc1 tile holds 2 * BLOCK_N accumulator columns, so gated
+tiles are narrower than the plain grouped GEMM's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+
+from moekit.tuning.grouped_gemm import INTERPRET_CONFIG, GemmConfig
+
+__all__ = [
+    "dact_candidates",
+    "dact_partial_rows",
+    "fc1_candidates",
+    "fit_interleave",
+]
+
+_FC1_GATED = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+)
+_FC1 = (
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(64, 256, 64, num_warps=4, num_stages=4),
+)
+_DACT = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
+    GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
+    GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
+    GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
+)
+
+
+def _fused_block_n(block_n: int, interleave: int | None) -> int:
+    """The largest power-of-two tile width <= block_n that divides the GLU interleave (a tile
+    must not straddle a gate/up block); halves (interleave None) need no division."""
+    if interleave is None:
+        return block_n
+    while block_n > 16 and interleave % block_n:
+        block_n //= 2
+    return block_n
+
+
+def fit_interleave(cfg: GemmConfig, interleave: int | None) -> GemmConfig:
+    """``cfg`` with its tile width fitted to the GLU interleave."""
+    bn = _fused_block_n(cfg.block_n, interleave)
+    return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
+
+
+def _fit_all(cands: tuple[GemmConfig, ...], interleave: int | None) -> tuple[GemmConfig, ...]:
+    return tuple(dict.fromkeys(fit_interleave(c, interleave) for c in cands))
+
+
+def fc1_candidates(gated: bool, interleave: int | None) -> tuple[GemmConfig, ...]:
+    """The fc1 kernel's candidates, default first."""
+    return _fit_all(_FC1_GATED if gated else _FC1, interleave)
+
+
+def dact_candidates(interleave: int | None) -> tuple[GemmConfig, ...]:
+    """The dact kernel's candidates, default first."""
+    return _fit_all(_DACT, interleave)
+
+
+def dact_partial_rows(F: int, interleave: int | None) -> int:
+    """Rows of the dprobs-partials buffer that the dact kernel needs for any config it may
+    run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included)."""
+    cands = (*dact_candidates(interleave), fit_interleave(INTERPRET_CONFIG, interleave))
+    return max(triton.cdiv(F, c.block_n) for c in cands)

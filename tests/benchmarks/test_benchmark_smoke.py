@@ -1,0 +1,44 @@
+"""The benchmarks that have a --smoke mode run end to end on tiny shapes and write their outputs.
+
+Each runs in its own process, as a user runs it. The grouped-MLP one runs the PyTorch reference
+(its kernels in Triton's interpreter would take minutes); the permute one runs its kernels in the
+interpreter, which its routing-metadata row needs off CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    ("script", "stem", "interpret"),
+    [
+        ("benchmark_grouped_mlp.py", "grouped_mlp", False),
+        ("benchmark_permute.py", "permute_bench", True),
+    ],
+)
+def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert result["rows"]
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / f"{stem}.png").stat().st_size > 0
