@@ -1,4 +1,4 @@
-"""Benchmark: all-reduce + residual add + RMSNorm over symmetric memory vs NCCL, under torchrun.
+"""All-reduce + residual add + RMSNorm over symmetric memory against NCCL, one process per GPU.
 
     bash benchmarks/run_allreduce_rmsnorm.sh --out results/    # sets the no-multicast env
 
@@ -17,15 +17,14 @@
                   replays is reported (device latency per call, the way nccl-tests and vLLM's
                   custom all-reduce measure it; the targets are checked on this mode);
      ``graph1`` : a CUDA graph holding one call, each replay timed alone (adds the graph launch
-                  gap on an idle GPU; reported for comparison with earlier runs).
+                  gap on an idle GPU).
    Methods:
      (a)  ``nccl+torch``   : NCCL all_reduce (in place) + torch add + torch RMSNorm
      (b1) ``symm1+torch``  : torch symm_mem one_shot_all_reduce(_copy) + the same add and norm
      (b2) ``symm2+torch``  : copy into symm memory + torch symm_mem two_shot_all_reduce_ + add/norm
      ``one_shot`` / ``two_shot`` / ``lamport`` / ``lamport_two_shot`` / ``auto`` / ``nccl_fused``:
-     moekit.ops.allreduce_add_rmsnorm (the Lamport ones only where the call fits the Lamport
-     slots);
-     ``two_shot_staged`` (T ≥ 1024): the earlier two_shot kernel (stage, pull), for A/B
+     moekit.ops.allreduce_add_rmsnorm with that ``algo`` (the Lamport ones only where the call
+     fits the pool's Lamport slots).
    Bus bandwidth = bytes · 2(W−1)/W / time (the nccl-tests convention).
 3. Rank 0 prints a compact table last and writes ``allreduce_rmsnorm.json`` + ``.png`` to --out.
 """
@@ -33,7 +32,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,14 +40,15 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from common import pyplot, save_figure, write_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from moekit.distributed import SymmetricPool, init_distributed, set_pool  # noqa: E402
-from moekit.kernels._runtime import device_sms  # noqa: E402
-from moekit.kernels.allreduce import MAX_BLOCKS, FusedAllreducePlan  # noqa: E402
-from moekit.ops.allreduce import allreduce_add_rmsnorm, auto_algo  # noqa: E402
+from moekit.kernels.allreduce import SIGNAL_BYTES  # noqa: E402
+from moekit.ops import allreduce_add_rmsnorm, auto_algo  # noqa: E402
+from moekit.ops.allreduce import DEFAULT_LAMPORT_SLOT_BYTES, workspace_of  # noqa: E402
 
 TOKENS = (1, 8, 64, 256, 1024, 4096, 16384)
 HIDDEN = (4096, 7168)
@@ -84,9 +83,7 @@ class TorchSymm:
         return self.buf[: T * H].view(T, H)
 
 
-def make_methods(
-    x, residual, weight, torch_symm: TorchSymm | None, world: int, pool, tuning: bool = False
-):
+def make_methods(x, residual, weight, torch_symm: TorchSymm | None, pool):
     T, H = x.shape
     methods = {}
     work = x.clone()
@@ -120,31 +117,13 @@ def make_methods(
                 return F.rms_norm(ro, (H,), weight, EPS), ro
 
             methods["symm2+torch"] = symm2
+    ws = workspace_of(pool)
     algos = ["one_shot", "two_shot", "auto"]
     for lam in ("lamport", "lamport_two_shot"):
-        if pool.lamport_fits(T, H, x.dtype, lam):
+        if ws is not None and ws.lamport_fits(T, H, x.element_size(), lam, pool.world_size):
             algos.insert(-1, lam)
     for algo in algos:
         methods[algo] = lambda algo=algo: allreduce_add_rmsnorm(x, residual, weight, algo=algo)
-    variants = {}  # A/B: name → (algo, plan overrides)
-    if T >= 1024:  # the earlier two_shot (stage x locally, then pull from the peers)
-        variants["two_shot_staged"] = ("two_shot", {"two_shot_staged": True})
-    if T >= 1024 and tuning:
-        variants["two_shot_rows4"] = ("two_shot", {"gather_tile": False, "num_warps": 4})
-        variants["two_shot_rows8"] = ("two_shot", {"gather_tile": False, "num_warps": 8})
-    if 64 <= T <= 1024 and tuning:
-        variants["lamport_two_shot_s2"] = ("lamport_two_shot", {"lamport_split": 2})
-    for name, (algo, extra) in variants.items():
-        if algo.startswith("lamport") and not pool.lamport_fits(T, H, x.dtype, algo):
-            continue
-        plan = FusedAllreducePlan(
-            T=T, H=H, dtype=x.dtype, device=x.device, has_residual=True, has_norm=True,
-            store_rstd=False, peer_bases=pool.peer_bases, ctl=pool.epochs, rank=pool.rank,
-            algo=algo, max_programs=min(device_sms(x), MAX_BLOCKS),
-            half_bytes=pool.half_bytes, lamport_off=pool.lamport_offset,
-            lamport_slot_bytes=pool.lamport_slot_bytes, **extra,
-        )  # fmt: skip
-        methods[name] = lambda plan=plan: plan(x, residual, weight, EPS)[:2]
     methods["nccl_fused"] = lambda: allreduce_add_rmsnorm(x, residual, weight, algo="nccl")
     return methods
 
@@ -154,10 +133,18 @@ def make_methods(
 # ----------------------------------------------------------------------------------------------
 
 
-def _median_max_over_ranks(times_ms: list[float], device) -> float:
-    med = torch.tensor([statistics.median(times_ms)], dtype=torch.float64, device=device)
+def _events(n: int) -> list[torch.cuda.Event]:
+    return [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+
+
+def _per_call_us(starts, ends, calls: int, device) -> float:
+    """µs per call: the median over the timed batches, then the maximum over ranks (a
+    collective is as slow as its slowest rank)."""
+    torch.cuda.synchronize()
+    per_call = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
+    med = torch.tensor([statistics.median(per_call)], dtype=torch.float64, device=device)
     dist.all_reduce(med, op=dist.ReduceOp.MAX)
-    return float(med.item()) * 1e3  # µs
+    return float(med.item()) * 1e3
 
 
 def time_eager(fn, iters: int, device, calls: int = 1) -> float:
@@ -168,16 +155,13 @@ def time_eager(fn, iters: int, device, calls: int = 1) -> float:
     torch.cuda.synchronize()
     dist.barrier()
     batches = max(-(-iters // calls), 10)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(batches)]
+    starts, ends = _events(batches), _events(batches)
     for i in range(batches):
         starts[i].record()
         for _ in range(calls):
             fn()
         ends[i].record()
-    torch.cuda.synchronize()
-    per_call = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
-    return _median_max_over_ranks(per_call, device)
+    return _per_call_us(starts, ends, calls, device)
 
 
 def time_graph(fn, iters: int, device, calls: int = 1) -> float:
@@ -199,15 +183,12 @@ def time_graph(fn, iters: int, device, calls: int = 1) -> float:
     torch.cuda.synchronize()
     dist.barrier()
     replays = max(-(-iters // calls), 20)
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    starts, ends = _events(replays), _events(replays)
     for i in range(replays):
         starts[i].record()
         graph.replay()
         ends[i].record()
-    torch.cuda.synchronize()
-    per_call = [s.elapsed_time(e) / calls for s, e in zip(starts, ends)]
-    out = _median_max_over_ranks(per_call, device)
+    out = _per_call_us(starts, ends, calls, device)
     del graph
     return out
 
@@ -284,21 +265,6 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
         f"MOEKIT_AR_TWO_SHOT_MAX_KB={two_max // 1024} (current auto picks: "
         f"{sorted({auto_algo(b, world, True) for b, _ in sugg})})"
     )
-    ab = [
-        f"T={T} H={H}: {m[('two_shot', 'graph')]['us']:.1f} vs {m[('two_shot_staged', 'graph')]['us']:.1f}"
-        for (T, H), m in sorted(by.items())
-        if ("two_shot_staged", "graph") in m and ("two_shot", "graph") in m
-    ]
-    if ab:
-        lines.append("two_shot (scatter) vs two_shot_staged µs: " + "; ".join(ab))
-    tuning = [
-        f"T={T} H={H} {k}={v['us']:.1f}"
-        for (T, H), m in sorted(by.items())
-        for (k, mode), v in sorted(m.items())
-        if mode == "graph" and k[-1].isdigit() and k not in OURS + BASELINES
-    ]
-    if tuning:
-        lines.append("tuning variants µs: " + "; ".join(tuning))
     lines.append(f"targets met at {len(verdict['pass'])}/{len(by)} sizes")
     for f in verdict["fail"]:
         lines.append(f"  MISSED {f}")
@@ -306,11 +272,7 @@ def summarize(rows: list[dict], world: int) -> tuple[str, dict]:
 
 
 def plot(rows: list[dict], path: str, world: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     hidden = sorted({r["hidden"] for r in rows})
     fig, axes = plt.subplots(1, len(hidden), figsize=(6 * len(hidden), 4.5), squeeze=False)
     for ax, H in zip(axes[0], hidden):
@@ -330,8 +292,7 @@ def plot(rows: list[dict], path: str, world: int) -> None:
         ax.set_title(f"all-reduce + add + RMSNorm, H={H}, bf16, {world} GPUs")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +309,6 @@ def main() -> None:
     ap.add_argument("--skip-checks", action="store_true")
     ap.add_argument("--check-iters", type=int, default=1000)
     ap.add_argument("--graph-calls", type=int, default=20, help="calls per CUDA graph")
-    ap.add_argument("--tuning", action="store_true", help="also time the tuning variants")
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods")
     ap.add_argument("--modes", nargs="*", default=["eager", "graph", "graph1"])
     args = ap.parse_args()
@@ -359,8 +319,11 @@ def main() -> None:
     world, device = info.world_size, info.device
     t_start = time.perf_counter()
     max_numel = max(args.tokens) * max(args.hidden)
-    # one pool big enough for a two_shot of the largest shape, created before anything else
-    pool = set_pool(SymmetricPool(dist.group.WORLD, size_bytes=2 * (max_numel + 8 * 16384) * 2))
+    # one pool big enough for a two_shot of the largest shape (two halves of T·H·2 bytes) and
+    # the Lamport slots, created before anything else
+    lamport = 2 * world * DEFAULT_LAMPORT_SLOT_BYTES
+    size = SIGNAL_BYTES + 2 * (max_numel + 8 * 16384) * 2 + lamport
+    pool = set_pool(SymmetricPool(dist.group.WORLD, size_bytes=size))
     _log(
         f"world={world} device={torch.cuda.get_device_name()} torch={torch.__version__} "
         f"pool={pool} env="
@@ -399,7 +362,7 @@ def main() -> None:
             residual = torch.randn(T, H, device=device, generator=g).to(torch.bfloat16)
             weight = (1 + 0.1 * torch.randn(H, device=device, generator=g)).to(torch.bfloat16)
             nbytes = T * H * 2
-            methods = make_methods(x, residual, weight, torch_symm, world, pool, args.tuning)
+            methods = make_methods(x, residual, weight, torch_symm, pool)
             for name, fn in methods.items():
                 if args.methods and name not in args.methods:
                     continue
@@ -431,11 +394,13 @@ def main() -> None:
             "torch": torch.__version__,
             "iters": args.iters,
             "graph_calls": args.graph_calls,
-            "lamport_slot_bytes": pool.lamport_slot_bytes,
+            "lamport_slot_bytes": getattr(workspace_of(pool), "lamport_slot_bytes", 0),
             "auto_picks": {str(r["bytes"]): auto_algo(r["bytes"], world, True) for r in rows},
         }
-        with open(os.path.join(args.out, "allreduce_rmsnorm.json"), "w") as f:
-            json.dump({"meta": meta, "rows": rows, "verdict": verdict}, f, indent=1)
+        write_json(
+            os.path.join(args.out, "allreduce_rmsnorm.json"),
+            {"meta": meta, "rows": rows, "verdict": verdict},
+        )
         try:
             plot(rows, os.path.join(args.out, "allreduce_rmsnorm.png"), world)
         except ImportError as e:

@@ -1,6 +1,6 @@
 """Grouped MLP benchmark: moekit's fused grouped_mlp against torch._grouped_mm + autograd.
 
-    python benchmarks/benchmark_grouped_mlp.py --quick --out bench_out   # ~4 min on one H100
+    python benchmarks/benchmark_grouped_mlp.py --quick --out bench_out   # no loop baseline
     python benchmarks/benchmark_grouped_mlp.py --out bench_out           # adds the loop baseline
     python benchmarks/benchmark_grouped_mlp.py --smoke --out /tmp/smoke  # tiny shapes, CPU or GPU
 
@@ -34,8 +34,9 @@ What one run measures, in this order:
      loop              per-expert F.linear over host-known bounds (skipped by --quick)
    Every contender runs ``torch.autograd.grad(y, (x, w1, w2, probs), dy)`` (no .grad
    accumulation). Also the peak memory of one forward + backward above what was allocated before
-   it (MiB, gradients included), and on the first shape the CUDA kernel launches (memset/memcpy
-   included) of one forward + backward, counted with torch.profiler.
+   it (MiB, gradients included), the memory a forward keeps alive for its backward, the GPU time
+   of each kernel of moekit and torch_grouped_mm (torch.profiler), and on the first shape the
+   CUDA kernel launches (memset/memcpy included) of one forward + backward.
 4. CUDA-graph replay at the host-overhead shape: one forward + backward (autograd.grad on static
    inputs) captured per contender, then host µs per replay (same sleep method) and GPU µs per
    replay (do_bench of replay). Then the forward through ``torch.cuda.make_graphed_callables``
@@ -60,33 +61,34 @@ import argparse
 import collections
 import contextlib
 import gc
-import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
+from common import (
+    GROUPED_MLP_SHAPES,
+    DensePeak,
+    bench_ms,
+    error_line,
+    host_ms,
+    interleaved_rounds,
+    pyplot,
+    routing_counts,
+    save_figure,
+    write_json,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
-from benchmark_grouped_gemm import routing_counts
-
-from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops import grouped_mlp
 from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
 
-SHAPES = [  # name, R (routed rows), E, H, F
-    ("te_seed", 66560, 20, 2048, 512),
-    ("qwen3_30b_a3b", 262144, 128, 2048, 768),
-    ("olmoe", 65536, 64, 2048, 1024),
-    ("deepseek_v3_ep8", 32768, 32, 7168, 2048),
-    ("mixtral", 16384, 8, 4096, 14336),
-]
+SHAPES = GROUPED_MLP_SHAPES  # name, R (routed rows), E, H, F
 SMOKE_SHAPES = [("smoke_a", 64, 4, 32, 16), ("smoke_b", 96, 3, 64, 32)]
 HOST_SHAPE = ("host_cpu_bound", 2048 * 2, 8, 1024, 1024)
 SMOKE_HOST_SHAPE = ("smoke_host", 64, 4, 32, 16)
@@ -104,11 +106,6 @@ NAN = float("nan")
 
 def log(*args) -> None:
     print(*args, flush=True)
-
-
-def _err(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:240]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -129,24 +126,13 @@ class Timer:
 
     def ms(self, fn) -> float:
         if self.cuda:
-            return triton.testing.do_bench(
-                fn, warmup=self.warmup, rep=self.rep, return_mode="median"
-            )
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
+            return bench_ms(fn, warmup=self.warmup, rep=self.rep)
+        return host_ms(fn, calls=3, warm=1)
 
 
 def dense_peak_tflops(timer: Timer, device: str) -> float:
-    n = 8192 if timer.cuda else 512
-    a = torch.randn(n, n, device=device, dtype=DTYPE)
-    b = torch.randn(n, n, device=device, dtype=DTYPE)
-    ms = timer.ms(lambda: torch.mm(a, b))
-    return 2 * n**3 / ms / 1e9
+    """Fresh operands every call: nothing of the peak's stays allocated while shapes run."""
+    return DensePeak(DTYPE, device, 8192 if timer.cuda else 512, timer.ms).tflops()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,8 +309,8 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
     steps = make_steps(counts, offsets, x, w1, w2, probs, dy, names)
 
     def fail(c, where, exc):
-        row["errors"][c] = f"{where}: {_err(exc)}"
-        log(f"  {name} {c} {where} FAILED: {_err(exc)}")
+        row["errors"][c] = f"{where}: {error_line(exc)}"
+        log(f"  {name} {c} {where} FAILED: {error_line(exc)}")
         steps.pop(c, None)
         with contextlib.suppress(Exception):
             timer.sync()
@@ -347,15 +333,10 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
         except Exception as exc:  # e.g. out of memory, a case the fused path does not take yet
             fail(c, "warm", exc)
 
-    # Alternating rounds, best median per contender.
-    best = {c: math.inf for c in steps}
-    for _ in range(2):
-        for c in list(steps):
-            try:
-                best[c] = min(best[c], timer.ms(steps[c]))
-            except Exception as exc:
-                fail(c, "timing", exc)
-                best[c] = NAN
+    # Alternating rounds, best median per contender (no side gets the cooler GPU).
+    best, _ = interleaved_rounds(
+        dict(steps), 2, timer.ms, on_error=lambda c, exc: fail(c, "timing", exc)
+    )
     for c, ms in best.items():
         tf = flops / ms / 1e9
         row.update({f"{c}_ms": ms, f"{c}_tflops": tf, f"{c}_pct_peak": 100 * tf / peak})
@@ -381,7 +362,7 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
                     + ", ".join(f"{_short_kernel_name(n)} {t:.0f}" for n, t in ks)
                 )
             except Exception as exc:
-                log(f"  kernel times {c} FAILED: {_err(exc)}")
+                log(f"  kernel times {c} FAILED: {error_line(exc)}")
 
     launches = None
     if profile_launches and timer.cuda:
@@ -397,8 +378,8 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
                     for kname, k in kernels:
                         log(f"      {k:3d} × {kname[:150]}")
             except Exception as exc:
-                launches[c] = {"shape": name, "count": None, "error": _err(exc)}
-                log(f"  launches {c} FAILED: {_err(exc)}")
+                launches[c] = {"shape": name, "count": None, "error": error_line(exc)}
+                log(f"  launches {c} FAILED: {error_line(exc)}")
     return row, launches
 
 
@@ -431,8 +412,9 @@ def host_us_per_call(
 ) -> tuple[float, bool]:
     """Host µs per call of ``fn``: n calls, in batches of ``per_batch`` each enqueued behind a GPU
     sleep and timed with no synchronisation inside; best of ``passes``. Batches keep the pending
-    launches under the GPU's queue depth (~1000; 25 calls of the torch composition enqueue 625),
-    past which a launch blocks until the GPU drains.
+    launches under the GPU's launch-queue depth (about a thousand), past which a launch blocks
+    until the GPU drains: a batch of the torch composition, the contender with the most launches
+    per call, stays below it.
     Returns (µs, covered): covered is False when the GPU went idle before a batch's last call was
     enqueued (the op synchronised, or the sleep was too short), so the host waited on the GPU."""
     for _ in range(5):  # warm: the caching allocator holds every block the loop needs
@@ -517,9 +499,9 @@ def run_host(shape, names, timer, device, n, cycles_per_ms):
         res[f"{c}_eager_gpu_us"], res[f"{c}_launches"] = NAN, None
         for _, suffix in HOST_MODES:
             res[f"{c}_host_us{suffix}"], res[f"{c}_host_covered{suffix}"] = NAN, None
-    # The contenders take turns, three rounds, each keeping its best: the lent hosts' speed
-    # drifts by tens of percent over a minute, which back-to-back blocks would charge to
-    # whichever contender ran during a slow spell.
+    # The contenders take turns, three rounds, each keeping its best: a host's speed drifts
+    # over a minute, which back-to-back blocks would charge to whichever contender ran during
+    # a slow spell.
     for _ in range(HOST_ROUNDS):
         for c in names:
             for multithreaded, suffix in HOST_MODES:
@@ -530,8 +512,8 @@ def run_host(shape, names, timer, device, n, cycles_per_ms):
                     with torch.autograd.set_multithreading_enabled(multithreaded):
                         us, covered = host_us_per_call(steps[c], n, cycles_per_ms, passes=1)
                 except Exception as exc:
-                    res["errors"][c] = _err(exc)
-                    log(f"  host {c} FAILED: {_err(exc)}")
+                    res["errors"][c] = error_line(exc)
+                    log(f"  host {c} FAILED: {error_line(exc)}")
                     with contextlib.suppress(Exception):
                         timer.sync()
                     continue
@@ -626,8 +608,8 @@ def run_graphs(names, timer, res, n, cycles_per_ms):
 
 
 def _graph_failed(res, key: str, label: str, exc: BaseException) -> None:
-    res["errors"][key] = _err(exc)
-    log(f"  {label} FAILED: {_err(exc)}")
+    res["errors"][key] = error_line(exc)
+    log(f"  {label} FAILED: {error_line(exc)}")
     with contextlib.suppress(Exception):
         torch.cuda.synchronize()
 
@@ -708,28 +690,8 @@ def host_table(host, names) -> list[str]:
     return lines
 
 
-def write_json(path, state) -> None:
-    def clean(v):  # NaN / inf are not JSON: write null
-        if isinstance(v, float) and not math.isfinite(v):
-            return None
-        if isinstance(v, dict):
-            return {str(k): clean(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return [clean(x) for x in v]
-        return v
-
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(clean(state), f, indent=1)
-    os.replace(tmp, path)
-
-
 def plot(rows, host, names, peak, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax, ax2) = plt.subplots(
         1, 2, figsize=(max(12, 2.2 * len(rows) + 6), 5), gridspec_kw={"width_ratios": [2, 1]}
     )
@@ -773,9 +735,7 @@ def plot(rows, host, names, peak, path) -> None:
     ax2.set_title(title)
     ax2.legend(fontsize=7)
     ax2.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -851,11 +811,11 @@ def main() -> int:
         state["host"] = run_host(host_shape, names, timer, device, n_calls, cycles_per_ms)
         state["host"]["cpus"] = sorted(os.sched_getaffinity(0))
     except Exception as exc:
-        log(f"  host overhead FAILED: {_err(exc)}")
+        log(f"  host overhead FAILED: {error_line(exc)}")
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    write_json(json_path, state)
+    write_json(json_path, state, nan_as_null=True)
 
     log("\nshapes (forward + backward, skewed routing):")
     for i, (name, R, E, H, Fd) in enumerate(shapes):
@@ -876,30 +836,30 @@ def main() -> int:
             if launches is not None:
                 state["launches"] = launches
         except Exception as exc:  # e.g. out of memory building the inputs
-            log(f"  {name} FAILED: {_err(exc)}")
-            state.setdefault("failed_shapes", {})[name] = _err(exc)
+            log(f"  {name} FAILED: {error_line(exc)}")
+            state.setdefault("failed_shapes", {})[name] = error_line(exc)
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
         state["seconds"] = time.time() - t_start
-        write_json(json_path, state)
+        write_json(json_path, state, nan_as_null=True)
         log(f"  {name}: {time.time() - t0:.1f} s (run so far {time.time() - t_start:.0f} s)")
 
     if cuda:
         try:
             state["peak_tflops"].append(dense_peak_tflops(timer, device))
         except Exception as exc:
-            log(f"peak (end of run) FAILED: {_err(exc)}")
+            log(f"peak (end of run) FAILED: {error_line(exc)}")
         if state["host"] is not None:
             log("\nCUDA-graph replay (host-overhead shape):")
             run_graphs(names, timer, state["host"], n_calls, cycles_per_ms)
     state["seconds"] = time.time() - t_start
-    write_json(json_path, state)
+    write_json(json_path, state, nan_as_null=True)
 
     try:
         plot(state["rows"], state["host"], names, peak, png_path)
     except Exception as exc:
-        log(f"plot FAILED: {_err(exc)}")
+        log(f"plot FAILED: {error_line(exc)}")
 
     log(
         f"\n{dev_name}; dense bf16 peak, start / end of run: "

@@ -25,8 +25,8 @@ Two times per cell:
   so for small, host-bound cells this is far below the eager time. Backward = the kernels of
   ``torch.autograd.grad`` alone, on a forward done before the profiled region
   (``retain_graph=True``, so every profiled call runs the same backward).
-The copy bandwidth, the metadata (whole, and launch by launch: hist, scan, rows) and every cell of
-ours and torch get both; sep-pad only the eager time. Targets are evaluated on both times.
+The copy bandwidth, the metadata and every cell of ours and torch get both; sep-pad only the
+eager time. Targets are evaluated on both times.
 All random inputs are made before any timing, never inside a timed call. A cell that fails is
 reported and skipped, never the whole table.
 Writes permute_bench.json and permute_bench.png under --out; ``--budget-s`` bounds the grid's
@@ -43,7 +43,6 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import statistics
 import sys
 import time
@@ -52,12 +51,12 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-import triton.testing
+from common import bench_ms, error_line, host_ms, pyplot, save_figure, topk_routing, write_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from moekit.kernels.permute import routing_metadata, routing_metadata_launches
-from moekit.ops.permute import permute, unpermute
+from moekit.ops import permute, unpermute
+from moekit.ops.routing import routing_metadata, routing_metadata_torch
 from moekit.reference import permute as ref
 
 DEVICE = "cuda"  # "cpu" for --smoke without a GPU (set in main)
@@ -68,11 +67,6 @@ L2_FLUSH_BYTES = 256 * 2**20
 # ------------------------------------------------------------------------------------------------
 # Timing
 # ------------------------------------------------------------------------------------------------
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
 def _cuda() -> bool:
@@ -88,37 +82,30 @@ def bench_us(fns: list, rep_ms: float) -> float:
         return next(it)()
 
     if not _cuda():
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
+        return host_ms(fn, calls=1, warm=0) * 1e3
     for f in fns:  # whatever the calls allocate is reserved, then settles (settle_fresh_memory)
         f()
     torch.cuda.synchronize()
     time.sleep(SETTLE_CALL_S)
-    ms = triton.testing.do_bench(
-        fn, warmup=max(5.0, rep_ms), rep=max(20.0, 4 * rep_ms), return_mode="median"
-    )
-    return ms * 1e3
+    return bench_ms(fn, warmup=max(5.0, rep_ms), rep=max(20.0, 4 * rep_ms)) * 1e3
 
 
 SETTLE_S = 0.3  # wait after reserving fresh device memory (see settle_fresh_memory)
-SETTLE_CALL_S = 0.05  # the same after each measurement's warm calls (the window is ~15 ms)
+SETTLE_CALL_S = 0.05  # the same after each measurement's warm calls (longer than the slow window)
 
 
 def settle_fresh_memory(nbytes: int) -> None:
     """Reserve ``nbytes`` of device memory through the caching allocator, free it back to the
     cache, and wait ``SETTLE_S`` before any timing.
 
-    On the lent H100 every kernel runs ~13% slower for ~15 ms after a cudaMalloc of a few GB
-    (benchmarks/probe_fresh_allocation.py: a permute scatter into a freshly allocated 7.5 GB
-    buffer runs 2190-2500 GB/s for its first five calls and 2730 GB/s from then on; a plain
-    ``zero_`` of it 2770-2860 vs 3290 GB/s; a 1 s wait after the allocation leaves one slow
-    call). The cause is not established (background work of the driver on new physical memory
-    competing for DRAM bandwidth would fit). The grid empties the cache between configurations, so each
-    configuration's first calls would allocate (and be timed) in that window; a training step
-    reuses cached blocks and never is. A settled segment that the configuration's allocations
-    are carved from, and a short wait after each measurement's warm calls (for what goes
-    beyond the segment), keep every contender's timings to the steady state."""
+    For a short while after a cudaMalloc of a few GB, every kernel on the GPU runs measurably
+    slower, memory-bound copies most (the cause is not established: background work of the
+    driver on new physical memory competing for DRAM bandwidth would fit). The grid empties the
+    cache between configurations, so each configuration's first calls would allocate (and be
+    timed) in that window; a training step reuses cached blocks and never is. A settled segment
+    that the configuration's allocations are carved from, and a short wait after each
+    measurement's warm calls (for what goes beyond the segment), keep every contender's timings
+    to the steady state."""
     if not _cuda() or nbytes <= 0:
         return
     free, _ = torch.cuda.mem_get_info()
@@ -280,11 +267,11 @@ def check_correctness(shapes=CHECK_SHAPES) -> list[str]:
     for T, H, E, k, align in shapes:
         name = f"T={T} H={H} E={E} k={k} align={align}"
         try:
-            idx, probs = routing(T, E, k)
+            idx, probs = topk_routing(T, E, k, DEVICE)
             hidden = torch.randn(T, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
             probs.requires_grad_(True)
             d = permute(hidden, idx, probs, num_experts=E, align=align)
-            meta = ref.routing_metadata_torch(idx, E, align or 1)
+            meta = routing_metadata_torch(idx, E, align or 1)
             ph, pp = ref.scatter_rows_torch(hidden.detach(), meta[0], d.num_rows, probs.detach())
             got = (d.row_index, d.tokens_per_expert, d.counts, d.offsets, d.hidden, d.probs)
             for label, g, w in zip(
@@ -295,7 +282,8 @@ def check_correctness(shapes=CHECK_SHAPES) -> list[str]:
             eo = torch.randn_like(d.hidden, requires_grad=True)
             y = unpermute(eo, d)
             gy = torch.randn_like(y)
-            gp, geo = torch.autograd.grad(y, (probs, eo), gy)
+            # the permute node is walked again below (its hidden gradient): keep its saved tensors
+            gp, geo = torch.autograd.grad(y, (probs, eo), gy, retain_graph=True)
             eo32 = eo.detach().float().requires_grad_(True)
             p32 = probs.detach().clone().requires_grad_(True)
             _, pp32 = ref.scatter_rows_torch(hidden.detach().float(), meta[0], d.num_rows, p32)
@@ -318,12 +306,6 @@ def check_correctness(shapes=CHECK_SHAPES) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def routing(T, E, k):
-    scores = torch.randn(T, E, device=DEVICE)
-    probs, idx = scores.softmax(-1).topk(k, dim=-1)
-    return idx, probs / probs.sum(-1, keepdim=True)
-
-
 def _leaf(t: torch.Tensor) -> torch.Tensor:
     return t.detach().requires_grad_(True)
 
@@ -337,10 +319,10 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
     # The configuration's tensors (inputs, outputs, gradients, the baselines' buffers) are
     # carved from one settled segment of five [R, H] and six [T, H] buffers. Ours are timed
     # first; later passes may go beyond the segment at the largest shapes (the grid prints the
-    # peak reserved memory: 55-72 GiB at T=65536, H=7168, k=8 against a 40-42 GiB segment).
+    # peak reserved memory), which the short wait after each measurement's warm calls covers.
     settle_fresh_memory((5 * R + 6 * T) * H * b + (64 << 20))
     # One input set, made before any timing (both timers flush L2 before every call).
-    idx, probs = routing(T, E, k)
+    idx, probs = topk_routing(T, E, k, DEVICE)
     hidden = torch.randn(T, H, device=DEVICE, dtype=dtype, requires_grad=True)
     sets = [(idx, probs.requires_grad_(True), hidden)]
     meta = tk * (8 + 4 + 4 + 4) + R * 4  # indices, row_index, probs in/out
@@ -356,7 +338,7 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
         try:
             return what()
         except Exception as exc:  # one failing cell must not lose the table
-            errors[key] = _first_line(exc)
+            errors[key] = error_line(exc)
             print(f"    FAIL {key}: {errors[key]}", flush=True)
             with contextlib.suppress(Exception):
                 if _cuda():
@@ -391,8 +373,8 @@ def measure_config(T, H, E, k, align, rep_ms, dtype=torch.bfloat16):
         try:
             states = [make_permute(s) for s in sets]
         except Exception as exc:
-            errors[("permute", "state", label)] = _first_line(exc)
-            print(f"    FAIL {label} permute: {_first_line(exc)}", flush=True)
+            errors[("permute", "state", label)] = error_line(exc)
+            print(f"    FAIL {label} permute: {error_line(exc)}", flush=True)
             return
         grads = [(torch.randn_like(st["rows"]), torch.randn_like(st["probs"])) for st in states]
 
@@ -488,26 +470,16 @@ SMOKE_META_SHAPE = (64, 8, 2)
 
 
 def time_metadata(rep_ms: float, T=65536, E=256, k=8) -> tuple[dict, dict]:
-    """Eager µs and GPU µs of the whole metadata (align 1 and 128) and of each of its launches
-    (align 128)."""
+    """Eager µs and GPU µs of the routing metadata alone (align 1 and 128)."""
     out, gout = {}, {}
-    idx, _ = routing(T, E, k)
+    idx, _ = topk_routing(T, E, k, DEVICE)
     for a in (1, 128):
         fns = [lambda a=a: routing_metadata(idx, E, a)]
         try:
             out[f"all_align{a}"] = bench_us(fns, rep_ms)
             gout[f"all_align{a}"] = gpu_us(fns)
         except Exception as exc:
-            print(f"  metadata align={a} FAILED: {_first_line(exc)}", flush=True)
-    try:
-        _, launches = routing_metadata_launches(idx, E, 128)
-        for _name, launch in launches:  # in order: each reads what the previous one wrote
-            launch()
-        for name, launch in launches:
-            out[name] = bench_us([launch], rep_ms)
-            gout[name] = gpu_us([launch])
-    except Exception as exc:
-        print(f"  metadata launches FAILED: {_first_line(exc)}", flush=True)
+            print(f"  metadata align={a} FAILED: {error_line(exc)}", flush=True)
     return out, gout
 
 
@@ -624,7 +596,6 @@ def summarize(rows, copy, meta_us, meta_gpu, big_rule) -> dict:
             ),
             f"metadata{sfx}_us": meta.get("all_align1"),
             f"metadata_align128{sfx}_us": meta.get("all_align128"),
-            f"metadata_launch{sfx}_us": {n: meta.get(n) for n in ("hist", "scan", "rows")},
         }
         out.update(fig)
 
@@ -699,7 +670,7 @@ def main(argv=None) -> int:
             "(device-to-device, read + write)"
         )
     except Exception as exc:
-        print(f"copy bandwidth FAILED: {_first_line(exc)}")
+        print(f"copy bandwidth FAILED: {error_line(exc)}")
     if _cuda():
         torch.cuda.empty_cache()
 
@@ -709,9 +680,7 @@ def main(argv=None) -> int:
     def meta_desc(d):
         return (
             f"{_fmt(d.get('all_align1'), '.1f')} µs (align 128: "
-            f"{_fmt(d.get('all_align128'), '.1f')} µs; launches alone: "
-            + ", ".join(f"{n} {_fmt(d.get(n), '.1f')}" for n in ("hist", "scan", "rows"))
-            + " µs)"
+            f"{_fmt(d.get('all_align128'), '.1f')} µs)"
         )
 
     meta_line = (
@@ -746,8 +715,8 @@ def main(argv=None) -> int:
         try:
             res, gres, bytes_, R, errors = measure_config(T, H, E, k, align, args.rep_ms)
         except Exception as exc:  # e.g. out of memory while building the inputs
-            cell_errors[name] = {"config": _first_line(exc)}
-            print(f"  [{i + 1}/{len(grid)}] {name}: FAILED {_first_line(exc)}", flush=True)
+            cell_errors[name] = {"config": error_line(exc)}
+            print(f"  [{i + 1}/{len(grid)}] {name}: FAILED {error_line(exc)}", flush=True)
             if _cuda():
                 torch.cuda.empty_cache()
             continue
@@ -796,23 +765,19 @@ def main(argv=None) -> int:
             for name, v in verdicts.items()
         )
         print(f"  targets on {tag} time: {line}")
-    (out_dir / "permute_bench.json").write_text(
-        json.dumps({"device": dev_name, "summary": summary, "rows": rows}, indent=1)
+    write_json(
+        out_dir / "permute_bench.json", {"device": dev_name, "summary": summary, "rows": rows}
     )
     try:
         plot(rows, copy, out_dir / "permute_bench.png")
         print(f"wrote {out_dir / 'permute_bench.json'} and {out_dir / 'permute_bench.png'}")
     except Exception as exc:
-        print(f"wrote {out_dir / 'permute_bench.json'}; plot FAILED: {_first_line(exc)}")
+        print(f"wrote {out_dir / 'permute_bench.json'}; plot FAILED: {error_line(exc)}")
     return 1 if failures or cell_errors else 0
 
 
 def plot(rows, copy, path):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(20, 5))
     series = sorted({(r["op"], r["pass"]) for r in rows})
     panels = (
@@ -839,8 +804,7 @@ def plot(rows, copy, path):
             ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     fig.suptitle("moekit permute / unpermute (bf16)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

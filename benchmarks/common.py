@@ -1,0 +1,216 @@
+"""What the benchmarks share: MoE shapes, routings, timing, the dense bf16 peak and output files.
+
+The benchmark scripts import it by name (``from common import ...``), which works when they are
+run as ``python benchmarks/benchmark_<area>.py`` (Python puts the script's folder on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import triton.testing
+
+# Expert layers of real MoE models: E (experts), H (hidden size), F (expert width; fc1 produces
+# 2F for the gated activation).
+MOE_LAYERS = {
+    "te_seed": (20, 2048, 512),
+    "qwen3_30b_a3b": (128, 2048, 768),
+    "olmoe": (64, 2048, 1024),
+    "deepseek_v3_ep8": (32, 7168, 2048),
+    "mixtral": (8, 4096, 14336),
+    "gpt_oss_like": (128, 2880, 2880),
+}
+
+
+def moe_shapes(rows: dict[str, int]) -> list[tuple[str, int, int, int, int]]:
+    """``(name, T, E, H, F)`` for each layer of ``rows`` (name -> T, the rows routed to experts,
+    i.e. tokens × top-k), in its order."""
+    return [(name, T, *MOE_LAYERS[name]) for name, T in rows.items()]
+
+
+GROUPED_GEMM_SHAPES = moe_shapes(
+    {"te_seed": 66560, "qwen3_30b_a3b": 65536, "olmoe": 32768, "deepseek_v3_ep8": 32768,
+     "mixtral": 16384, "gpt_oss_like": 32768}
+)  # fmt: skip
+GROUPED_MLP_SHAPES = moe_shapes(
+    {"te_seed": 66560, "qwen3_30b_a3b": 262144, "olmoe": 65536, "deepseek_v3_ep8": 32768,
+     "mixtral": 16384}
+)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# Routings
+# ------------------------------------------------------------------------------------------------
+
+
+def routing_counts(T: int, E: int, skewed: bool, gen: torch.Generator) -> torch.Tensor:
+    """Rows per expert [E] int64 summing to T: uniform, or skewed (gamma-distributed shares,
+    so some experts get few rows, and at least one expert gets none). The skewed shares come
+    from torch's global RNG, the idle expert from ``gen``."""
+    if not skewed:
+        counts = torch.full((E,), T // E, dtype=torch.int64)
+        counts[: T - int(counts.sum())] += 1
+        return counts
+    share = torch.distributions.Gamma(0.6, 1.0).sample((E,))
+    share[torch.randint(E, (1,), generator=gen)] = 0.0  # at least one idle expert
+    counts = torch.floor(share / share.sum() * T).to(torch.int64)
+    counts[torch.argmax(counts)] += T - int(counts.sum())
+    return counts
+
+
+def skewed_routing(T: int, E: int, draw: int) -> torch.Tensor:
+    """Skewed routing number ``draw`` of a shape: seeded by ``draw`` alone, so a shape's routings
+    do not depend on what ran before, and the caller's random state is left as it was. Draw 0 is
+    ``routing_counts(T, E, True, Generator().manual_seed(0))`` right after ``manual_seed(0)``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(draw)
+        return routing_counts(T, E, True, torch.Generator().manual_seed(draw))
+
+
+def topk_routing(T: int, E: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token routing as a router produces it: the top-k experts of random scores per token,
+    ``indices [T, k]`` int64 and their renormalised softmax ``probs [T, k]`` (global RNG)."""
+    scores = torch.randn(T, E, device=device)
+    probs, idx = scores.softmax(-1).topk(k, dim=-1)
+    return idx, probs / probs.sum(-1, keepdim=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Timing
+# ------------------------------------------------------------------------------------------------
+
+
+def bench_ms(fn: Callable, warmup: float = 25, rep: float = 100) -> float:
+    """GPU ms per call of ``fn``: the median of ``triton.testing.do_bench``, which flushes L2
+    before every call (``warmup`` and ``rep`` are its time budgets in ms)."""
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
+    """The CPU stand-in for :func:`bench_ms` in --smoke runs without CUDA: the median ms of
+    ``calls`` calls after ``warm`` untimed ones. It checks the plumbing; it measures nothing."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def interleaved_rounds(
+    fns: dict[str, Callable],
+    rounds: int,
+    time_fn: Callable[[Callable], float] = bench_ms,
+    on_error: Callable[[str, Exception], None] | None = None,
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Time every callable of ``fns`` in turn, ``rounds`` times over, with ``time_fn``.
+
+    The GPU's clock drifts over a long run (heat, power): timing the contenders in alternating
+    rounds and keeping each one's best gives none of them the cooler GPU. Returns each one's best
+    time and its time in every round it ran. A callable that raises is passed to
+    ``on_error(name, exc)`` (raised again without one), gets NaN as its best and is not called
+    again."""
+    best = {name: math.inf for name in fns}
+    per_round: dict[str, list[float]] = {name: [] for name in fns}
+    failed: set[str] = set()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if name in failed:
+                continue
+            try:
+                ms = time_fn(fn)
+            except Exception as exc:
+                if on_error is None:
+                    raise
+                on_error(name, exc)
+                failed.add(name)
+                best[name] = math.nan
+                continue
+            best[name] = min(best[name], ms)
+            per_round[name].append(ms)
+    return best, per_round
+
+
+class DensePeak:
+    """The dense reference: TFLOP/s of ``torch.mm`` of two random n × n matrices.
+
+    The clock drifts under sustained load, so a benchmark times it at the start and the end of
+    its run, and may time it again among the contenders' rounds (:meth:`mm` is the callable) to
+    compare them with the peak at the same clock."""
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        device="cuda",
+        n: int = 8192,
+        time_fn: Callable[[Callable], float] = bench_ms,
+    ) -> None:
+        self.n, self.time_fn = n, time_fn
+        self.a = torch.randn(n, n, device=device, dtype=dtype)
+        self.b = torch.randn(n, n, device=device, dtype=dtype)
+
+    def mm(self) -> torch.Tensor:
+        return torch.mm(self.a, self.b)
+
+    def ms(self) -> float:
+        return self.time_fn(self.mm)
+
+    def tflops(self, ms: float | None = None) -> float:
+        """TFLOP/s at ``ms`` per product, timing one now when ``ms`` is None."""
+        return 2 * self.n**3 / (self.ms() if ms is None else ms) / 1e9
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+
+def error_line(exc: BaseException, limit: int = 240) -> str:
+    """The exception's type and first line, for progress lines and the JSON's error fields."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:limit]
+
+
+def _nan_to_null(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _nan_to_null(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_nan_to_null(x) for x in v]
+    return v
+
+
+def write_json(path, data, nan_as_null: bool = False) -> None:
+    """Write ``data`` as indented JSON, replacing ``path`` only once the file is complete (a
+    benchmark rewrites it as results come in). ``nan_as_null``: NaN and inf become null, which
+    strict JSON readers accept; otherwise they are written as Python's json writes them."""
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(_nan_to_null(data) if nan_as_null else data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend (raises ImportError without matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    pyplot().close(fig)
