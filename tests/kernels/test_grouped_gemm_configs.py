@@ -133,7 +133,7 @@ def test_gpu_flattened_dynamic_ragged_k_schedules():
     routing takes the static deal and the skewed one the dynamic schedule (a counter started
     past the last tile shows which); captured once in a CUDA graph, replays with either
     routing switch schedules and stay right."""
-    from moekit.kernels._runtime import tile_counter
+    from moekit.runtime.device import tile_counter
 
     cfg = tuning.RAGGED_K_DEFAULT_16
     assert cfg.flatten and cfg.dynamic

@@ -302,19 +302,20 @@ def test_gpu_replayed_launches_match_reference(act, inter, bias, rec, probs, seg
     """From the third call of one static configuration on, the op replays its recorded
     launches with only the pointers swapped: every call, on fresh tensors and a fresh routing,
     must still match the reference, and the replays must actually be in use."""
-    mod = _plans_module()
-    mod._PLANS.clear()
+    from moekit.runtime.cache import cache_clear, cache_entries
+
+    cache_clear("replay")
     R, E = 4096, 8
     for seed in range(5):
         counts = _skewed(R, E, seed) if seed != 3 else [0] * (E - 1) + [R]
         _check(counts, 512, 256, act, inter=inter, bias=bias, rec=rec, probs=probs,
                dtype=torch.bfloat16, device="cuda", tol=2e-2)  # fmt: skip
-    (plan,) = mod._PLANS.values()
-    assert plan.fwd.ready
-    assert plan.one_segment == (segments == "one")
-    (replays,) = plan.bwd.values()
-    used = replays[:1] if plan.one_segment else replays
-    assert all(r.ready for r in used)
+    replays = cache_entries("replay")
+    fwd = [r for k, r in replays.items() if k[1] == "mlp_fwd"]
+    bwd = {k[7]: r for k, r in replays.items() if k[1] == "mlp_bwd"}  # segment name → replay
+    assert len(fwd) == 1 and fwd[0].ready
+    assert set(bwd) == ({"all"} if segments == "one" else {"dact", "wgrad2", "fc1"})
+    assert all(r.ready for r in bwd.values())
 
 
 @pytest.mark.gpu
