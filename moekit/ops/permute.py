@@ -204,7 +204,10 @@ class _PermuteFn(torch.autograd.Function):
         ctx, hidden, probs, row_index, offsets, tokens_per_expert, num_rows, align, tail_lo
     ):
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(row_index)
+        # Routing metadata, not an activation: held on ctx rather than saved, so that the
+        # gradients of a dispatch's rows and of its probs may be taken in separate backward
+        # passes (saved tensors are freed by the first).
+        ctx.row_index = row_index
         ctx.hidden_meta = (tuple(hidden.shape), hidden.dtype)
         vals_dtype = probs.dtype if probs is not None else hidden.dtype
         return scatter(
@@ -214,7 +217,7 @@ class _PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
-        (row_index,) = ctx.saved_tensors
+        row_index = ctx.row_index
         need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not need_p or grad_probs is None:
             grad_probs = None

@@ -655,3 +655,19 @@ def test_gpu_validate_detects_bad_indices_without_sync():
     # The device-side assert fired with our message (the kernel prints it to stderr), or at least
     # the CUDA runtime reported the assert.
     assert "entries outside [0, num_experts=8)" in output or "device-side assert" in output, output
+
+
+def test_rows_and_probs_gradients_in_separate_backward_passes():
+    # The permute node is reached from both dispatch.hidden and dispatch.probs; their gradients
+    # may be taken in two backward passes (the routing metadata is not freed by the first).
+    T, H, E, k = 9, 16, 4, 2
+    hidden = torch.randn(T, H, requires_grad=True)
+    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    probs = torch.rand(T, k, requires_grad=True)
+    d = permute(hidden, idx, probs, num_experts=E)
+    expert_out = torch.randn_like(d.hidden, requires_grad=True)
+    (gp,) = torch.autograd.grad(unpermute(expert_out, d), (probs,), torch.ones(T, H))
+    (gh,) = torch.autograd.grad(unpermute(d.hidden, d, weighted=False), (hidden,), torch.ones(T, H))
+    torch.testing.assert_close(gh, torch.full((T, H), float(k)))
+    row = d.row_index.long()
+    torch.testing.assert_close(gp, expert_out.detach()[row].sum(-1))
