@@ -93,9 +93,7 @@ __all__ = [
     "workspace_bytes",
 ]
 
-# ----------------------------------------------------------------------------------------------
-# constants (the workspace layout above)
-# ----------------------------------------------------------------------------------------------
+# Constants of the workspace layout above.
 MAX_WORLD = 8  # ranks in one NVLink domain that the flag layout has room for
 MAX_BLOCKS = 256  # programs per launch that the flag layout has room for
 NUM_CHANNELS = 4  # 2 barriers per launch × 2 epoch parities
@@ -171,20 +169,12 @@ def workspace(nbytes: int, world: int, lamport_slot_bytes: int) -> Workspace | N
     return Workspace(half, DATA_OFFSET + 2 * half, slot)
 
 
-# ----------------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _sync_peers(
     peer_bases_ptr,  # [W] int64: address of each rank's symmetric buffer
-    rank,
-    channel,  # flag channel of this barrier (runtime: depends on the epoch's parity)
-    epoch,
-    WORLD: tl.constexpr,
-    WORLD_P2: tl.constexpr,
-):
+    rank, channel, epoch,  # channel: this barrier's flag channel (depends on the epoch's parity)
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr,
+):  # fmt: skip
     """Barrier between program ``pid`` of every rank (release/acquire at system scope).
 
     Every thread's earlier global accesses are ordered before the release by the CTA barrier; the
@@ -220,14 +210,10 @@ def _data_ptr(peer_bases_ptr, r, half_off, dtype: tl.constexpr):
 
 @triton.jit
 def _sum_peers(
-    peer_bases_ptr,
-    half_off,
+    peer_bases_ptr, half_off,
     offset,  # element offset of the row inside a half (int64)
-    cols,
-    mask,
-    dtype: tl.constexpr,
-    WORLD: tl.constexpr,
-):
+    cols, mask, dtype: tl.constexpr, WORLD: tl.constexpr,
+):  # fmt: skip
     """fp32 Σ_r buf_r[offset + cols] in rank order 0…W−1 (the order every rank uses)."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for r in tl.static_range(WORLD):
@@ -250,11 +236,8 @@ def _lamport_gather(
     own_base,  # int64 address of the own buffer
     slot_stride,  # bytes between consecutive slots
     offset,  # element offset of the row inside a slot (int64)
-    cols,
-    mask,
-    dtype: tl.constexpr,
-    SLOTS: tl.constexpr,
-):
+    cols, mask, dtype: tl.constexpr, SLOTS: tl.constexpr,
+):  # fmt: skip
     """(fp32 Σ_r slot_r[offset + cols] over r = 0…SLOTS−1 in order, number of elements still
     holding the sentinel). Volatile loads: peers write these slots over NVLink behind the L1."""
     acc = tl.zeros(cols.shape, dtype=tl.float32)
@@ -297,19 +280,10 @@ def _not_sentinel(v):
 
 @triton.jit
 def _norm_store(
-    v,  # [BLOCK_H] rounded residual_out, input dtype
-    w,  # [BLOCK_H] fp32 weight
-    row,  # int64
-    cols,
-    cmask,
-    rmask,  # scalar: row < T
-    y_ptr,
-    rstd_ptr,
-    stride_y_t,
-    H,
-    eps,
-    STORE_RSTD: tl.constexpr,
-):
+    v, w,  # [BLOCK_H]: rounded residual_out in the input dtype, fp32 weight
+    row, cols, cmask, rmask,  # row: int64; rmask: scalar row < T
+    y_ptr, rstd_ptr, stride_y_t, H, eps, STORE_RSTD: tl.constexpr,
+):  # fmt: skip
     """y = round(v · rsqrt(mean(v²) + eps) · w); same math as the local rmsnorm kernel."""
     vf = v.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(vf * vf, axis=0) / H + eps)
@@ -330,41 +304,24 @@ def _advance_epoch(ctl_ptr, epoch):
 
 @triton.jit
 def _allreduce_fused_kernel(
-    # pointers
-    x_ptr,  # [T, H] this rank's partial sum
-    res_ptr,  # [T, H] residual (unused unless HAS_RESIDUAL)
-    w_ptr,  # [H] norm weight (unused unless HAS_NORM)
-    ro_ptr,  # [T, H] out: Σ_r x_r (+ residual)
-    y_ptr,  # [T, H] out: RMSNorm(ro) · w (unused unless HAS_NORM)
-    rstd_ptr,  # [T] fp32 out (unused unless STORE_RSTD)
-    peer_bases_ptr,  # [W] int64 symmetric-buffer addresses
-    ctl_ptr,  # [CTL_WORDS] int32: launch epoch, arrival counter (local)
-    # sizes
-    T,
-    H,
-    rows_per_rank,  # C = ⌈T / W⌉ (two_shot)
-    rank,
-    half_bytes,  # bytes between the two data halves
-    lamport_off,  # bytes from a buffer's start to its Lamport region (LAMPORT)
-    slot_bytes,  # bytes of one Lamport slot (LAMPORT)
+    # in: x [T, H] this rank's partial sum, residual [T, H] (HAS_RESIDUAL), w [H] (HAS_NORM)
+    x_ptr, res_ptr, w_ptr,
+    # out: ro [T, H] = Σ_r x_r (+ residual), y [T, H] = RMSNorm(ro) · w (HAS_NORM),
+    # rstd [T] fp32 (STORE_RSTD)
+    ro_ptr, y_ptr, rstd_ptr,
+    # [W] int64 symmetric-buffer addresses; int32 [CTL_WORDS]: launch epoch, arrival counter
+    peer_bases_ptr, ctl_ptr,
+    T, H, rows_per_rank, rank,  # sizes; rows_per_rank: C = ⌈T / W⌉ (two_shot)
+    # bytes: between the two data halves; to the Lamport region; of one Lamport slot
+    half_bytes, lamport_off, slot_bytes,
     eps,
-    # strides (elements)
-    stride_x_t,
-    stride_res_t,
-    stride_ro_t,
-    stride_y_t,
-    # meta
-    WORLD: tl.constexpr,
-    WORLD_P2: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    TWO_SHOT: tl.constexpr,
-    LAMPORT: tl.constexpr,
+    stride_x_t, stride_res_t, stride_ro_t, stride_y_t,  # strides (elements)
+    WORLD: tl.constexpr, WORLD_P2: tl.constexpr, BLOCK_H: tl.constexpr,  # meta
+    TWO_SHOT: tl.constexpr, LAMPORT: tl.constexpr,
     SPLIT: tl.constexpr,  # lamport: column pieces per row in the push phases
     GATHER_TILE: tl.constexpr,  # two_shot: gather all W rows of an index as one [W, H] tile
-    HAS_RESIDUAL: tl.constexpr,
-    HAS_NORM: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-):
+    HAS_RESIDUAL: tl.constexpr, HAS_NORM: tl.constexpr, STORE_RSTD: tl.constexpr,
+):  # fmt: skip
     """ro = round(Σ_r x_r + residual) (fp32 sum in rank order); y = RMSNorm(ro) · w."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -550,11 +507,6 @@ def _allreduce_fused_kernel(
     _advance_epoch(ctl_ptr, epoch)
 
 
-# ----------------------------------------------------------------------------------------------
-# launcher
-# ----------------------------------------------------------------------------------------------
-
-
 def fused_allreduce(
     x: torch.Tensor,  # [T, H], T > 0, unit column stride
     residual: torch.Tensor | None,  # [T, H] like x, or None
@@ -583,15 +535,10 @@ def fused_allreduce(
         space.lamport_slot_bytes, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, ro.stride(0),
         y.stride(0) if y is not None else 0,
-        WORLD=world,
-        WORLD_P2=triton.next_power_of_2(world),
-        BLOCK_H=block_h(H),
-        TWO_SHOT=algo in TWO_SHOT_ALGOS,
-        LAMPORT=algo in LAMPORT_ALGOS,
-        SPLIT=config.split,
-        GATHER_TILE=config.gather_tile,
-        HAS_RESIDUAL=residual is not None,
-        HAS_NORM=weight is not None,
+        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_H=block_h(H),
+        TWO_SHOT=algo in TWO_SHOT_ALGOS, LAMPORT=algo in LAMPORT_ALGOS,
+        SPLIT=config.split, GATHER_TILE=config.gather_tile,
+        HAS_RESIDUAL=residual is not None, HAS_NORM=weight is not None,
         STORE_RSTD=rstd is not None,
         num_warps=config.num_warps,
     )  # fmt: skip

@@ -84,40 +84,18 @@ def _ragged_m_acc(
 
 @triton.jit
 def _grouped_mm_ragged_m_kernel(
-    # pointers
-    a_ptr,  # [T, K]
-    b_ptr,  # [E, K, N] (any two unit-stride layouts, see B_K_MAJOR)
-    c_ptr,  # [T, N]
-    bias_ptr,  # [E, N] or dummy
-    offsets_ptr,  # [E] cumulative end offsets
-    # sizes
-    T,
-    N,
-    K,
-    E,
-    # strides
-    stride_a_t,
-    stride_b_e,
-    stride_b_k,
-    stride_b_n,
-    stride_c_t,
-    stride_bias_e,
-    # meta
-    B_K_MAJOR: tl.constexpr,  # b[e] stored [N, K] (an nn.Linear weight viewed transposed)
-    HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
-    C_TMA: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
-    EPI_SUBTILE: tl.constexpr,
-    EXPERT_GROUPS: tl.constexpr,
+    # pointers: a [T, K], b [E, K, N] (any two unit-stride layouts, see B_K_MAJOR), c [T, N],
+    # bias [E, N] or dummy, offsets [E] cumulative end offsets
+    a_ptr, b_ptr, c_ptr, bias_ptr, offsets_ptr,
+    T, N, K, E,  # sizes
+    stride_a_t, stride_b_e, stride_b_k, stride_b_n, stride_c_t, stride_bias_e,  # strides
+    # meta; B_K_MAJOR: b[e] stored [N, K] (an nn.Linear weight viewed transposed)
+    B_K_MAJOR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, C_TMA: tl.constexpr,
+    WARP_SPEC: tl.constexpr, EPI_SUBTILE: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
     A_BOUNDED: tl.constexpr = False,
-):
+):  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
     EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
@@ -131,18 +109,14 @@ def _grouped_mm_ragged_m_kernel(
     )
     if B_K_MAJOR:
         b_desc = tl.make_tensor_descriptor(
-            b_ptr,
-            shape=[E, N, K],
-            strides=[stride_b_e, stride_b_n, 1],
+            b_ptr, shape=[E, N, K], strides=[stride_b_e, stride_b_n, 1],
             block_shape=[1, BLOCK_N, BLOCK_K],
-        )
+        )  # fmt: skip
     else:
         b_desc = tl.make_tensor_descriptor(
-            b_ptr,
-            shape=[E, K, N],
-            strides=[stride_b_e, stride_b_k, 1],
+            b_ptr, shape=[E, K, N], strides=[stride_b_e, stride_b_k, 1],
             block_shape=[1, BLOCK_K, BLOCK_N],
-        )
+        )  # fmt: skip
     c_desc = tl.make_tensor_descriptor(
         c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
     )
@@ -241,12 +215,8 @@ def _ragged_k_epilogue(
         rows = off_m + tl.arange(0, BLOCK_M)
         cols = off_n + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        c_ptrs = (
-            c_ptr
-            + e.to(tl.int64) * stride_c_e
-            + rows[:, None] * stride_c_m
-            + cols[None, :] * stride_c_n
-        )
+        c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + rows[:, None] * stride_c_m
+                  + cols[None, :] * stride_c_n)  # fmt: skip
         if ACCUMULATE:
             if end > start:
                 acc += tl.load(c_ptrs, mask=mask, other=0.0).to(tl.float32)
@@ -333,9 +303,8 @@ def _ragged_k_flat_loop(
     # modulo NUM_PROGRAMS are ours.
     steps_by_rank = tl.where(in_e, tl.cdiv(counts_by_rank, BLOCK_K), 0)
     first = offs_e * per_expert
-    ours = (first + per_expert - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
-        first - pid + NUM_PROGRAMS - 1
-    ) // NUM_PROGRAMS
+    ours = ((first + per_expert - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS
+            - (first - pid + NUM_PROGRAMS - 1) // NUM_PROGRAMS)  # fmt: skip
     total_steps = tl.sum(ours * steps_by_rank, axis=0)
 
     tile = pid - NUM_PROGRAMS
@@ -433,9 +402,8 @@ def _ragged_k_static_deal_fits(
     cost = tl.where(steps > 0, steps + 1, 0).to(tl.int64)  # sums of costs * tiles: int64
     first = offs_e * per_expert
     # tiles [first, first + per_expert) of each rank, those congruent to 0 mod NUM_PROGRAMS
-    ours = (first + per_expert + NUM_PROGRAMS - 1) // NUM_PROGRAMS - (
-        first + NUM_PROGRAMS - 1
-    ) // NUM_PROGRAMS
+    ours = ((first + per_expert + NUM_PROGRAMS - 1) // NUM_PROGRAMS
+            - (first + NUM_PROGRAMS - 1) // NUM_PROGRAMS)  # fmt: skip
     static_makespan = tl.sum(ours * cost, axis=0)
     greedy_makespan = tl.maximum(
         tl.cdiv(tl.sum(cost, axis=0) * per_expert, NUM_PROGRAMS), tl.max(cost, axis=0)
@@ -445,38 +413,19 @@ def _ragged_k_static_deal_fits(
 
 @triton.jit
 def _grouped_mm_ragged_k_kernel(
-    # pointers
-    a_ptr,  # [T, M] row-major: the operand is its transposed view a[M, T]
-    b_ptr,  # [T, N] row-major
-    c_ptr,  # [E, M, N]
-    offsets_ptr,  # [E] cumulative end offsets along T
-    counter_ptr,  # int32 [2] zeroed work counter (DYNAMIC only)
-    # sizes
-    M,
-    N,
-    T,
-    E,
-    # strides
-    stride_a_t,
-    stride_b_t,
-    stride_c_e,
-    stride_c_m,
-    stride_c_n,
-    # meta
-    ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    NUM_PROGRAMS: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    # pointers: a [T, M] row-major (the operand is its transposed view a[M, T]), b [T, N]
+    # row-major, c [E, M, N], offsets [E] cumulative ends along T, counter int32 [2] (DYNAMIC)
+    a_ptr, b_ptr, c_ptr, offsets_ptr, counter_ptr,
+    M, N, T, E,  # sizes
+    stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,  # strides
+    ACCUMULATE: tl.constexpr,  # meta
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     C_TMA: tl.constexpr,  # c has unit stride along N: bulk async store / reduce-add
-    WARP_SPEC: tl.constexpr,
-    EPI_SUBTILE: tl.constexpr,
+    WARP_SPEC: tl.constexpr, EPI_SUBTILE: tl.constexpr,
     DYNAMIC: tl.constexpr,  # tiles taken from an atomic counter instead of a round-robin deal
     STATIC_SLACK_PCT: tl.constexpr,  # DYNAMIC and FLATTEN: see _ragged_k_static_deal_fits
-):
+):  # fmt: skip
     pid = tl.program_id(0)
     EPI_N: tl.constexpr = BLOCK_N // 2 if EPI_SUBTILE else BLOCK_N
     num_m = tl.cdiv(M, BLOCK_M)
@@ -501,11 +450,9 @@ def _grouped_mm_ragged_k_kernel(
 
     if C_TMA:
         c_desc = tl.make_tensor_descriptor(
-            c_ptr,
-            shape=[E, M, N],
-            strides=[stride_c_e, stride_c_m, 1],
+            c_ptr, shape=[E, M, N], strides=[stride_c_e, stride_c_m, 1],
             block_shape=[1, BLOCK_M, EPI_N],
-        )
+        )  # fmt: skip
     else:
         c_desc = a_desc  # unused placeholder: the epilogue stores through pointers
 
@@ -544,11 +491,6 @@ def _grouped_mm_ragged_k_kernel(
             )  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------
-# launchers
-# --------------------------------------------------------------------------------------------
-
-
 def grouped_mm_ragged_m(
     a: torch.Tensor,  # [T, K], TMA-ready rows
     b: torch.Tensor,  # [E, K, N], unit stride along K or N
@@ -568,22 +510,13 @@ def grouped_mm_ragged_m(
         T, N, K, E,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         bias.stride(0) if bias is not None else 0,
-        B_K_MAJOR=b.stride(1) == 1 and b.stride(2) != 1,
-        HAS_BIAS=bias is not None,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16),
-        GROUP_M=config.group_m,
-        NUM_PROGRAMS=grid,
-        FLATTEN=config.flatten,
-        C_TMA=config.c_tma,
-        WARP_SPEC=config.warp_specialize,
-        EPI_SUBTILE=config.epilogue_subtile,
-        EXPERT_GROUPS=config.expert_groups,
-        A_BOUNDED=config.a_bounded,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        B_K_MAJOR=b.stride(1) == 1 and b.stride(2) != 1, HAS_BIAS=bias is not None,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=config.c_tma,
+        WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
+        EXPERT_GROUPS=config.expert_groups, A_BOUNDED=config.a_bounded,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
 
@@ -614,18 +547,10 @@ def grouped_mm_ragged_k(
         M, N, T, E,
         a.stride(1), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         ACCUMULATE=accumulate,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16),
-        GROUP_M=config.group_m,
-        NUM_PROGRAMS=grid,
-        FLATTEN=config.flatten,
-        C_TMA=c_tma,
-        WARP_SPEC=config.warp_specialize,
-        EPI_SUBTILE=config.epilogue_subtile,
-        DYNAMIC=config.dynamic,
-        STATIC_SLACK_PCT=config.static_slack_pct,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=c_tma,
+        WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
+        DYNAMIC=config.dynamic, STATIC_SLACK_PCT=config.static_slack_pct,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

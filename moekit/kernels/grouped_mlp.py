@@ -122,25 +122,19 @@ def _ragged_glu_desc(ptr, R, F, I, stride, BLOCK_M: tl.constexpr, BLOCK_C: tl.co
     spilling into the up half. (Ungated tensors [R, F] use the 3-D ``ragged_rows_desc``.)
     """
     return tl.make_tensor_descriptor(
-        ptr,
-        shape=[tl.maximum(R, 1), BLOCK_M, F // I, 2, I],
-        strides=[stride, stride, 2 * I, I, 1],
-        block_shape=[1, BLOCK_M, 1, 1, BLOCK_C],
-    )
+        ptr, shape=[tl.maximum(R, 1), BLOCK_M, F // I, 2, I],
+        strides=[stride, stride, 2 * I, I, 1], block_shape=[1, BLOCK_M, 1, 1, BLOCK_C],
+    )  # fmt: skip
 
 
 @triton.jit
 def _grouped_mlp_fc1_kernel(
-    x_ptr,  # [R, H]
-    w1_ptr,  # [E, W1, H] with W1 = 2F (gated) or F; unit stride along H
-    h_ptr,  # [R, W1] pre-activation out (if STORE_H)
-    a_ptr,  # [R, F] activation out
-    probs_ptr,  # [R] (if HAS_PROBS)
-    b1_ptr,  # [E, W1] (if HAS_BIAS)
-    offsets_ptr,  # [E]
-    R, H, F, E, I,
-    stride_x, stride_w1_e, stride_w1_r, stride_h, stride_a, stride_b1,
-    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    x_ptr, w1_ptr,  # in: [R, H], [E, W1, H] with W1 = 2F (gated) or F, unit stride along H
+    h_ptr, a_ptr,  # out: [R, W1] pre-activation (if STORE_H), [R, F] activation
+    probs_ptr, b1_ptr, offsets_ptr,  # [R] (if HAS_PROBS), [E, W1] (if HAS_BIAS), [E]
+    R, H, F, E, I,  # sizes
+    stride_x, stride_w1_e, stride_w1_r, stride_h, stride_a, stride_b1,  # strides
+    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,  # meta
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_H: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -159,18 +153,15 @@ def _grouped_mlp_fc1_kernel(
     )
     if GATED:
         w_desc = tl.make_tensor_descriptor(
-            w1_ptr,
-            shape=[E, F // I, 2, I, H],
+            w1_ptr, shape=[E, F // I, 2, I, H],
             strides=[stride_w1_e, 2 * I * stride_w1_r, I * stride_w1_r, stride_w1_r, 1],
             block_shape=[1, 1, 1, BLOCK_N, BLOCK_K],
-        )
+        )  # fmt: skip
     else:
         w_desc = tl.make_tensor_descriptor(
-            w1_ptr,
-            shape=[E, F, H],
-            strides=[stride_w1_e, stride_w1_r, 1],
+            w1_ptr, shape=[E, F, H], strides=[stride_w1_e, stride_w1_r, 1],
             block_shape=[1, BLOCK_N, BLOCK_K],
-        )
+        )  # fmt: skip
 
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = ragged_m_tile(
@@ -335,17 +326,16 @@ def _dact_tile(
 
 @triton.jit
 def _grouped_mlp_dact_kernel(
-    dy_ptr,  # [R, H]
-    w2_ptr,  # [E, H, F]; unit stride along F
-    h_ptr,  # [R, W1] saved pre-activation
-    probs_ptr,  # [R] (if HAS_PROBS)
-    dh_ptr,  # [R, W1] out
-    dprobs_part_ptr,  # [num_n, R] fp32 out (if HAS_PROBS): one partial per F-tile
-    a_ptr,  # [R, F] out (if STORE_A: recomputed act(h) * probs)
+    # in: dy [R, H], w2 [E, H, F] (unit stride along F), h [R, W1] saved pre-activation,
+    # probs [R] (if HAS_PROBS)
+    dy_ptr, w2_ptr, h_ptr, probs_ptr,
+    # out: dh [R, W1]; dprobs_part [num_n, R] fp32, one partial per F-tile (if HAS_PROBS);
+    # a [R, F], the recomputed act(h) * probs (if STORE_A)
+    dh_ptr, dprobs_part_ptr, a_ptr,
     offsets_ptr,  # [E]
-    R, H, F, E, I,
-    stride_dy, stride_w2_e, stride_w2_h, stride_h, stride_dh, stride_part, stride_a,
-    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+    R, H, F, E, I,  # sizes
+    stride_dy, stride_w2_e, stride_w2_h, stride_h, stride_dh, stride_part, stride_a,  # strides
+    GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,  # meta
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, STORE_A: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
@@ -359,11 +349,9 @@ def _grouped_mlp_dact_kernel(
         dy_ptr, shape=[R, H], strides=[stride_dy, 1], block_shape=[BLOCK_M, BLOCK_K]
     )
     w_desc = tl.make_tensor_descriptor(
-        w2_ptr,
-        shape=[E, H, F],
-        strides=[stride_w2_e, stride_w2_h, 1],
+        w2_ptr, shape=[E, H, F], strides=[stride_w2_e, stride_w2_h, 1],
         block_shape=[1, BLOCK_K, BLOCK_N],
-    )
+    )  # fmt: skip
     # The epilogue works on column slices of EPI_N (two halves with SUBTILE: fewer live
     # registers), through TMA: bulk h loads and dh / a stores clipped at the expert's end.
     EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
@@ -416,8 +404,7 @@ def _grouped_mlp_dact_kernel(
 
 @triton.jit
 def _segment_colsum_kernel(
-    x_ptr,  # [T, N]
-    out_ptr,  # [S, N]: column sums of each segment, in out's dtype
+    x_ptr, out_ptr,  # [T, N]; out [S, N]: column sums of each segment, in out's dtype
     offsets_ptr,  # [S] cumulative end offsets (if HAS_OFFSETS; else one segment [0, T))
     T, N, stride_x, stride_out,
     HAS_OFFSETS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -436,16 +423,10 @@ def _segment_colsum_kernel(
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + tl.arange(0, BLOCK_R)
         ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_x + cols[None, :]
-        acc += tl.load(ptrs, mask=(rows < end)[:, None] & (cols < N)[None, :], other=0.0).to(
-            tl.float32
-        )
+        acc += tl.load(ptrs, mask=(rows < end)[:, None] & (cols < N)[None, :],
+                       other=0.0).to(tl.float32)  # fmt: skip
     total = tl.sum(acc, axis=0)
     tl.store(out_ptr + seg * stride_out + cols, total.to(out_ptr.dtype.element_ty), mask=cols < N)
-
-
-# --------------------------------------------------------------------------------------------
-# launchers
-# --------------------------------------------------------------------------------------------
 
 
 def grouped_mlp_fc1(

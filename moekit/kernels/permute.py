@@ -62,23 +62,13 @@ _TAIL_ROWS = 64
 _PAD_CHUNK = 16
 
 
-# ------------------------------------------------------------------------------------------------
-# Routing metadata
-# ------------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _routing_hist_kernel(
-    # pointers
     idx_ptr,  # [N] expert of each (token, slot) pair, N = T·k; outside [0, E) = dropped
     block_counts_ptr,  # [B, E] int32 out
-    # sizes
-    N,
-    E,
-    # meta
-    BLOCK_N: tl.constexpr,
-    E_PAD: tl.constexpr,
-):
+    N, E,  # sizes
+    BLOCK_N: tl.constexpr, E_PAD: tl.constexpr,  # meta
+):  # fmt: skip
     """block_counts[b, e] = #{n in block b : idx[n] == e}."""
     b = tl.program_id(0)
     offs = b * BLOCK_N + tl.arange(0, BLOCK_N)  # int32: N = T·k < 2^31 (row_index is int32)
@@ -94,17 +84,10 @@ def _routing_hist_kernel(
 
 @triton.jit
 def _routing_scan_kernel(
-    # pointers
-    block_counts_ptr,  # [B, E] int32
-    block_offsets_ptr,  # [B, E] int32 out: exclusive prefix over b
-    totals_ptr,  # [E] int32 out: total over b (every pair of expert e)
-    # sizes
-    E,
-    num_blocks,
-    # meta
-    BLOCK_E: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-):
+    block_counts_ptr, block_offsets_ptr, totals_ptr,  # int32 [B, E] in, [B, E] out, [E] out
+    E, num_blocks,  # sizes
+    BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,  # meta
+):  # fmt: skip
     """block_offsets[b, e] = Σ_{b' < b} block_counts[b', e];  totals[e] = Σ_b block_counts[b, e]."""
     pid = tl.program_id(0)
     ex = pid * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -123,25 +106,15 @@ def _routing_scan_kernel(
 
 @triton.jit
 def _routing_rows_kernel(
-    # pointers
-    idx_ptr,  # [N] expert of each pair
-    block_counts_ptr,  # [B, E] int32
-    block_offsets_ptr,  # [B, E] int32
-    totals_ptr,  # [E] int32 pairs of each expert
-    row_index_ptr,  # [N] int32 out: destination row, −1 when dropped
-    tokens_per_expert_ptr,  # [E] int32 out: rows kept per expert, unpadded
-    counts_ptr,  # [E] int32 out: rows per expert, padded to ALIGN (and clamped at R)
-    offsets_ptr,  # [E] int32 out: cumulative end offsets of the segments, clamped at R
-    # sizes
-    N,
-    E,
-    R,  # rows of the output: a pair whose row is >= R is dropped
-    # meta
-    ALIGN: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    POS_BITS: tl.constexpr,  # log2(BLOCK_N)
-    E_PAD: tl.constexpr,
-):
+    # in: idx [N] expert of each pair; int32 block_counts, block_offsets [B, E], totals [E]
+    idx_ptr, block_counts_ptr, block_offsets_ptr, totals_ptr,
+    # int32 out: row_index [N] (−1 = dropped); per expert [E]: tokens_per_expert (rows kept,
+    # unpadded), counts (padded to ALIGN), offsets (cumulative ends); all clamped at R
+    row_index_ptr, tokens_per_expert_ptr, counts_ptr, offsets_ptr,
+    N, E, R,  # sizes; a pair whose row is >= R is dropped
+    # meta; POS_BITS = log2(BLOCK_N)
+    ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, POS_BITS: tl.constexpr, E_PAD: tl.constexpr,
+):  # fmt: skip
     """Sort the block's keys ``(e << POS_BITS) | n`` (dropped pairs get e = E, so they sort
     last); the pair at sorted position j goes to
         row = start[e] + block_offsets[b, e] + (j − first[e]),
@@ -235,23 +208,11 @@ def routing_metadata(
     )  # fmt: skip
 
 
-# ------------------------------------------------------------------------------------------------
-# Row copies
-# ------------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _zero_rows(
-    out_ptr,
-    out_vals_ptr,
-    row_lo,  # first row to zero (int64 scalar)
-    row_hi,  # one past the last row to zero
-    H,
-    stride_out_r,
-    HAS_VALS: tl.constexpr,
-    ZR: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
+    out_ptr, out_vals_ptr, row_lo, row_hi, H, stride_out_r,  # row_lo: int64
+    HAS_VALS: tl.constexpr, ZR: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
     """out[row_lo:row_hi, :] = 0 and out_vals[row_lo:row_hi] = 0, ZR rows at a time."""
     hx = tl.arange(0, BLOCK_H)
     for r0 in range(row_lo, row_hi, ZR):
@@ -269,27 +230,13 @@ def _zero_rows(
 @triton.jit
 def _scatter_token(
     t,  # int64 token
-    x_ptr,
-    row_index_ptr,
-    slot_vals_ptr,
-    row_w_ptr,
-    dot_ptr,
-    out_ptr,
-    out_vals_ptr,
-    H,
-    R,
-    stride_x_t,
-    stride_dot_r,
-    stride_out_r,
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    COPY_VALS: tl.constexpr,
-    WEIGHTED: tl.constexpr,
-    DOT: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOOP_K: tl.constexpr,
+    x_ptr, row_index_ptr, slot_vals_ptr, row_w_ptr, dot_ptr, out_ptr, out_vals_ptr,
+    H, R, stride_x_t, stride_dot_r, stride_out_r,
+    K: tl.constexpr, K_PAD: tl.constexpr,
+    COPY_VALS: tl.constexpr, WEIGHTED: tl.constexpr, DOT: tl.constexpr,
+    BLOCK_H: tl.constexpr, LOOP_K: tl.constexpr,
     EVICT: tl.constexpr,  # eviction policy of the one-use streams: "evict_first" or ""
-):
+):  # fmt: skip
     """One token of ``_scatter_rows_kernel``: x[t] to its k rows (see there)."""
     hx = tl.arange(0, BLOCK_H)
     kx = tl.arange(0, K_PAD)
@@ -335,12 +282,8 @@ def _scatter_token(
                 y = tl.broadcast_to(x[None, :], (K_PAD, BLOCK_H))
             tl.store(out_rows + h[None, :], y, mask=mask, eviction_policy=EVICT)
             if DOT:
-                d = tl.load(
-                    dot_ptr + rows[:, None] * stride_dot_r + h[None, :],
-                    mask=mask,
-                    other=0.0,
-                    eviction_policy=EVICT,
-                )
+                d = tl.load(dot_ptr + rows[:, None] * stride_dot_r + h[None, :], mask=mask,
+                            other=0.0, eviction_policy=EVICT)  # fmt: skip
                 acc += tl.sum(d.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if COPY_VALS:
         v = tl.load(slot_vals_ptr + t * K + kx, mask=k_mask, other=0.0)
@@ -351,43 +294,22 @@ def _scatter_token(
 
 @triton.jit
 def _scatter_rows_kernel(
-    # pointers
-    x_ptr,  # [T, H] source rows: hidden (permute fwd) or grad of the combined output
-    row_index_ptr,  # [T, K] int32 destination row of each slot, −1 = dropped
-    slot_vals_ptr,  # [T, K] per-slot values copied to out_vals (COPY_VALS)
-    row_w_ptr,  # [R] per-row scale (WEIGHTED)
-    dot_ptr,  # [R, H] rows dotted with x[t] into out_vals (DOT)
-    out_ptr,  # [R, H] out
-    out_vals_ptr,  # [R] out (COPY_VALS or DOT)
-    offsets_ptr,  # [E] int32 end offsets of the padded segments (at most R)
-    tokens_per_expert_ptr,  # [E] int32 unpadded rows per expert
-    # sizes
-    T,
-    H,
-    R,
-    E,
-    tail_lo,  # static lower bound of offsets[E-1]: tail programs start there
-    # strides
-    stride_x_t,
-    stride_dot_r,
-    stride_out_r,
-    # meta
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    COPY_VALS: tl.constexpr,
-    WEIGHTED: tl.constexpr,
-    DOT: tl.constexpr,
-    HAS_VALS: tl.constexpr,  # COPY_VALS or DOT: out_vals exists and its padding is zeroed too
-    PAD_PROGRAMS: tl.constexpr,  # E·PAD_SPLIT programs zeroing expert padding rows, or 0
-    PAD_SPLIT: tl.constexpr,  # programs per expert's padding (PAD_CHUNK rows each), or 1: all
-    PAD_CHUNK: tl.constexpr,
-    TAIL_PROGRAMS,  # programs zeroing rows [offsets[E-1], R), TAIL_ROWS each from tail_lo
-    TAIL_ROWS: tl.constexpr,
-    ZR: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOOP_K: tl.constexpr,  # CopyConfig.loop_k
-    EVICT: tl.constexpr,  # "evict_first" or ""
-):
+    # pointers: x [T, H] (hidden, or grad of the combined output), row_index [T, K] int32
+    # (−1 = dropped), slot_vals [T, K] (COPY_VALS), row_w [R] (WEIGHTED), dot [R, H] (DOT)
+    x_ptr, row_index_ptr, slot_vals_ptr, row_w_ptr, dot_ptr,
+    out_ptr, out_vals_ptr,  # out: [R, H], [R] (COPY_VALS or DOT)
+    # int32 [E]: end offsets of the padded segments (at most R), unpadded rows per expert
+    offsets_ptr, tokens_per_expert_ptr,
+    T, H, R, E, tail_lo,  # sizes; tail_lo: static lower bound of offsets[E-1]
+    stride_x_t, stride_dot_r, stride_out_r,  # strides
+    # meta; HAS_VALS: out_vals exists (COPY_VALS or DOT) and its padding is zeroed too
+    K: tl.constexpr, K_PAD: tl.constexpr,
+    COPY_VALS: tl.constexpr, WEIGHTED: tl.constexpr, DOT: tl.constexpr, HAS_VALS: tl.constexpr,
+    # zero-fill programs (see below); PAD_SPLIT 1: one program zeroes an expert's padding
+    PAD_PROGRAMS: tl.constexpr, PAD_SPLIT: tl.constexpr, PAD_CHUNK: tl.constexpr,
+    TAIL_PROGRAMS, TAIL_ROWS: tl.constexpr, ZR: tl.constexpr,
+    BLOCK_H: tl.constexpr, LOOP_K: tl.constexpr, EVICT: tl.constexpr,  # CopyConfig
+):  # fmt: skip
     """Token programs:  for each slot s of token t with r = row_index[t, s] in [0, R):
         out[r] = x[t] · (row_w[r] if WEIGHTED else 1)
         out_vals[r] = slot_vals[t, s]                       (COPY_VALS)
@@ -430,28 +352,15 @@ def _scatter_rows_kernel(
 
 @triton.jit
 def _gather_rows_kernel(
-    # pointers
-    src_ptr,  # [R, H] rows to combine
-    row_index_ptr,  # [T, K] int32 row of each slot, −1 = dropped
-    row_w_ptr,  # [R] per-row weight (WEIGHTED)
-    row_vals_ptr,  # [R] per-row values gathered to out_vals (GATHER_VALS)
-    out_ptr,  # [T, H] out
-    out_vals_ptr,  # [T, K] out (GATHER_VALS)
-    # sizes
-    H,
-    R,
-    # strides
-    stride_src_r,
-    stride_out_t,
-    # meta
-    K: tl.constexpr,
-    K_PAD: tl.constexpr,
-    WEIGHTED: tl.constexpr,
-    GATHER_VALS: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    LOOP_K: tl.constexpr,  # CopyConfig.loop_k
-    EVICT: tl.constexpr,  # "evict_first" or ""
-):
+    # pointers: src [R, H] rows to combine, row_index [T, K] int32 (−1 = dropped),
+    # row_w [R] (WEIGHTED), row_vals [R] (GATHER_VALS)
+    src_ptr, row_index_ptr, row_w_ptr, row_vals_ptr,
+    out_ptr, out_vals_ptr,  # out: [T, H], [T, K] (GATHER_VALS)
+    H, R,  # sizes
+    stride_src_r, stride_out_t,  # strides
+    K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, GATHER_VALS: tl.constexpr,
+    BLOCK_H: tl.constexpr, LOOP_K: tl.constexpr, EVICT: tl.constexpr,  # CopyConfig
+):  # fmt: skip
     """out[t] = Σ_s src[r_s] · (row_w[r_s] if WEIGHTED else 1), accumulated in fp32, over the
     slots with r_s = row_index[t, s] in [0, R);  out_vals[t, s] = row_vals[r_s] (0 when
     dropped). One program per token."""
@@ -472,21 +381,13 @@ def _gather_rows_kernel(
             for s in tl.static_range(K):
                 r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
                 ok = (r >= 0) & (r < R)
-                y = tl.load(
-                    src_ptr + r * stride_src_r + h,
-                    mask=h_mask & ok,
-                    other=0.0,
-                    eviction_policy=EVICT,
-                ).to(tl.float32)
+                y = tl.load(src_ptr + r * stride_src_r + h, mask=h_mask & ok, other=0.0,
+                            eviction_policy=EVICT).to(tl.float32)  # fmt: skip
                 if WEIGHTED:
                     y = y * tl.load(row_w_ptr + r, mask=ok, other=0.0).to(tl.float32)
                 acc += y
-            tl.store(
-                out_ptr + t * stride_out_t + h,
-                acc.to(out_ptr.dtype.element_ty),
-                mask=h_mask,
-                eviction_policy=EVICT,
-            )
+            tl.store(out_ptr + t * stride_out_t + h, acc.to(out_ptr.dtype.element_ty),
+                     mask=h_mask, eviction_policy=EVICT)  # fmt: skip
     else:
         if WEIGHTED:
             w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
@@ -494,22 +395,14 @@ def _gather_rows_kernel(
         for h0 in range(0, H, BLOCK_H):
             h = h0 + hx
             h_mask = h < H
-            y = tl.load(
-                src_rows + h[None, :],
-                mask=r_mask[:, None] & h_mask[None, :],
-                other=0.0,
-                eviction_policy=EVICT,
-            )
+            y = tl.load(src_rows + h[None, :], mask=r_mask[:, None] & h_mask[None, :], other=0.0,
+                        eviction_policy=EVICT)  # fmt: skip
             y = y.to(tl.float32)
             if WEIGHTED:
                 y = y * w[:, None]
             acc = tl.sum(y, axis=0)
-            tl.store(
-                out_ptr + t * stride_out_t + h,
-                acc.to(out_ptr.dtype.element_ty),
-                mask=h_mask,
-                eviction_policy=EVICT,
-            )
+            tl.store(out_ptr + t * stride_out_t + h, acc.to(out_ptr.dtype.element_ty),
+                     mask=h_mask, eviction_policy=EVICT)  # fmt: skip
 
 
 def _evict(config: CopyConfig) -> str:

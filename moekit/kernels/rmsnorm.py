@@ -34,34 +34,17 @@ def block_h(h: int) -> int:
     return triton.next_power_of_2(h)
 
 
-# ----------------------------------------------------------------------------------------------
-# kernels
-# ----------------------------------------------------------------------------------------------
-
-
 @triton.jit
 def _add_rmsnorm_fwd_kernel(
-    # pointers
-    x_ptr,  # [T, H] input dtype
-    res_ptr,  # [T, H] input dtype (unused unless HAS_RESIDUAL)
-    w_ptr,  # [H] weight (input dtype or fp32)
-    y_ptr,  # [T, H] normed output
-    ro_ptr,  # [T, H] residual_out (unused unless STORE_RO)
-    rstd_ptr,  # [T] fp32 (unused unless STORE_RSTD)
-    # sizes
-    H,
-    eps,
-    # strides (elements)
-    stride_x_t,
-    stride_res_t,
-    stride_y_t,
-    stride_ro_t,
-    # meta
-    BLOCK_H: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-    STORE_RO: tl.constexpr,
-    STORE_RSTD: tl.constexpr,
-):
+    # in: x and residual (HAS_RESIDUAL) [T, H] in the input dtype, w [H] (input dtype or fp32)
+    x_ptr, res_ptr, w_ptr,
+    # out: y [T, H] normed, ro [T, H] residual_out (STORE_RO), rstd [T] fp32 (STORE_RSTD)
+    y_ptr, ro_ptr, rstd_ptr,
+    H, eps,  # sizes
+    stride_x_t, stride_res_t, stride_y_t, stride_ro_t,  # strides (elements)
+    BLOCK_H: tl.constexpr,  # meta
+    HAS_RESIDUAL: tl.constexpr, STORE_RO: tl.constexpr, STORE_RSTD: tl.constexpr,
+):  # fmt: skip
     """One program per row: r = round(x + residual); y = round(r · rsqrt(mean(r²) + eps) · w)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
@@ -83,26 +66,15 @@ def _add_rmsnorm_fwd_kernel(
 
 @triton.jit
 def _add_rmsnorm_bwd_kernel(
-    # pointers
-    dy_ptr,  # [T, H] grad of the normed output
-    dro_ptr,  # [T, H] grad of residual_out from downstream (unused unless HAS_DRO)
-    ro_ptr,  # [T, H] saved residual_out (the norm's input)
-    w_ptr,  # [H]
-    rstd_ptr,  # [T] fp32
-    dx_ptr,  # [T, H] grad of the norm's input (= grad of x and of residual)
-    dw_part_ptr,  # [G, H] fp32 per-program partial sums of dw
-    # sizes
-    T,
-    H,
-    # strides (elements)
-    stride_dy_t,
-    stride_dro_t,
-    stride_ro_t,
-    stride_dx_t,
-    # meta
-    BLOCK_H: tl.constexpr,
-    HAS_DRO: tl.constexpr,
-):
+    # in: dy [T, H] grad of the normed output, dro [T, H] grad of residual_out from downstream
+    # (HAS_DRO), ro [T, H] saved residual_out (the norm's input), w [H], rstd [T] fp32
+    dy_ptr, dro_ptr, ro_ptr, w_ptr, rstd_ptr,
+    # out: dx [T, H] grad of the norm's input (= of x and of the residual), dw_part [G, H] fp32
+    dx_ptr, dw_part_ptr,
+    T, H,  # sizes
+    stride_dy_t, stride_dro_t, stride_ro_t, stride_dx_t,  # strides (elements)
+    BLOCK_H: tl.constexpr, HAS_DRO: tl.constexpr,  # meta
+):  # fmt: skip
     """Persistent over rows (pid, pid + G, …): dr = rstd·(g − r̂·mean(g·r̂)) + dro, dw += dy·r̂."""
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -120,17 +92,11 @@ def _add_rmsnorm_bwd_kernel(
         g = dy * w
         dr = rstd * (g - r_hat * (tl.sum(g * r_hat, axis=0) / H))
         if HAS_DRO:
-            dr += tl.load(dro_ptr + row64 * stride_dro_t + cols, mask=cmask, other=0.0).to(
-                tl.float32
-            )
+            dr += tl.load(dro_ptr + row64 * stride_dro_t + cols, mask=cmask,
+                          other=0.0).to(tl.float32)  # fmt: skip
         tl.store(dx_ptr + row64 * stride_dx_t + cols, dr.to(dy_raw.dtype), mask=cmask)
         dw_acc += dy * r_hat
     tl.store(dw_part_ptr + pid.to(tl.int64) * H + cols, dw_acc, mask=cmask)
-
-
-# ----------------------------------------------------------------------------------------------
-# launchers
-# ----------------------------------------------------------------------------------------------
 
 
 def add_rmsnorm_fwd(
@@ -152,10 +118,8 @@ def add_rmsnorm_fwd(
         H, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, y.stride(0),
         ro.stride(0) if ro is not None else 0,
-        BLOCK_H=block_h(H),
-        HAS_RESIDUAL=residual is not None,
-        STORE_RO=ro is not None,
-        STORE_RSTD=rstd is not None,
+        BLOCK_H=block_h(H), HAS_RESIDUAL=residual is not None,
+        STORE_RO=ro is not None, STORE_RSTD=rstd is not None,
         num_warps=num_warps,
     )  # fmt: skip
 
@@ -180,7 +144,6 @@ def add_rmsnorm_bwd(
         T, H,
         dy.stride(0), d_residual_out.stride(0) if d_residual_out is not None else 0,
         residual_out.stride(0), dx.stride(0),
-        BLOCK_H=block_h(H),
-        HAS_DRO=d_residual_out is not None,
+        BLOCK_H=block_h(H), HAS_DRO=d_residual_out is not None,
         num_warps=num_warps,
     )  # fmt: skip

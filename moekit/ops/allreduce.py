@@ -92,10 +92,6 @@ _LAMPORT_FALLBACK = {"lamport": "one_shot", "lamport_two_shot": "two_shot"}
 # One Lamport slot holds one rank's x of a lamport call: 256 tokens × 7168 bf16.
 DEFAULT_LAMPORT_SLOT_BYTES = 4 << 20
 
-# --------------------------------------------------------------------------------------------
-# which path a call takes
-# --------------------------------------------------------------------------------------------
-
 _warned: set[str] = set()
 
 
@@ -200,11 +196,6 @@ def _pick_algo(group: dist.ProcessGroup, algo: str, x: torch.Tensor) -> str:
     return "reference" if algo == "auto" else algo
 
 
-# --------------------------------------------------------------------------------------------
-# launch plans: everything that depends only on (shape, dtype, device, group, algo), built once
-# --------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """How calls of one static configuration run: ``kind`` is ``"nccl"``, ``"reference"`` or one
@@ -241,11 +232,6 @@ def _plan(group_name: str, algo: str, x: torch.Tensor) -> _Plan:
     T, H = x.shape
     key = (tuning.PLAN_CACHE_KIND, pool_generation(), group_name, algo, T, H, x.dtype, x.device)
     return cached(key, lambda: _build_plan(group_name, algo, x))
-
-
-# --------------------------------------------------------------------------------------------
-# the three paths
-# --------------------------------------------------------------------------------------------
 
 
 def _run_symm(plan: _Plan, x, residual, weight, eps: float, need_rstd: bool):
@@ -290,11 +276,6 @@ def _run_reference(group_name: str, x, residual, weight, eps: float, need_rstd: 
     if need_rstd and weight is not None:
         rstd = torch.rsqrt(ro.float().pow(2).mean(-1) + eps)
     return normed, ro, rstd
-
-
-# --------------------------------------------------------------------------------------------
-# kernel op and autograd
-# --------------------------------------------------------------------------------------------
 
 
 def _allreduce_fake(x, residual, weight, eps, group_name, algo, need_rstd):
@@ -363,11 +344,6 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
 _apply_allreduce = function_apply(_AllreduceAddRMSNormFn)
 
 
-# --------------------------------------------------------------------------------------------
-# public ops
-# --------------------------------------------------------------------------------------------
-
-
 def _resolve_group(group: object) -> dist.ProcessGroup:
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
@@ -385,12 +361,9 @@ def _resolve_group(group: object) -> dist.ProcessGroup:
 
 def _call(
     x: torch.Tensor,  # [..., H] validated
-    residual: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    eps: float,
-    group: object,
-    algo: object,
-) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+    group: object, algo: object,  # checked here
+) -> tuple[torch.Tensor | None, torch.Tensor] | None:  # fmt: skip
     """Run the op; returns ``(normed | None, residual_out)`` in x's shape, or None for a group of
     one (the caller does the local op)."""
     if not isinstance(algo, str) or algo not in ALGOS:

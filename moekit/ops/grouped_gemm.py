@@ -50,11 +50,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------------------------
-# kernel launches, with layouts prepared for TMA and the config chosen
-# --------------------------------------------------------------------------------------------
-
-
 def weight_layout(b: torch.Tensor) -> torch.Tensor:
     """b [E, K, N] as the kernel reads it: with unit stride along N or along K (e.g. the
     ``weight.transpose(-2, -1)`` view of an [E, N, K] weight, read without a copy); other
@@ -144,11 +139,6 @@ def _run_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
         out.copy_(grouped_mm_ragged_k_ref(a, b, offsets, out.dtype))
 
 
-# --------------------------------------------------------------------------------------------
-# kernel ops (torch.library custom ops; see moekit.ops.custom_op)
-# --------------------------------------------------------------------------------------------
-
-
 def _ragged_m_fake(a, b, offsets, bias, out_dtype):
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
 
@@ -214,11 +204,6 @@ def ragged_k_out(
     _run_ragged_k(a, b, offsets, out, accumulate)
 
 
-# --------------------------------------------------------------------------------------------
-# autograd: dgrad is ragged-M with the transposed weight, wgrad is ragged-K
-# --------------------------------------------------------------------------------------------
-
-
 def segment_sum_rows(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Per-expert sum of the rows of x [T, N] → [E, N] in fp32, without a host sync."""
     rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
@@ -269,11 +254,6 @@ class _RaggedKFn(torch.autograd.Function):
 
 _apply_ragged_m = function_apply(_RaggedMFn)
 _apply_ragged_k = function_apply(_RaggedKFn)
-
-
-# --------------------------------------------------------------------------------------------
-# public entry point
-# --------------------------------------------------------------------------------------------
 
 
 def check_ragged_m_inputs(

@@ -63,11 +63,6 @@ def _interleave(interleave: int) -> int | None:
     return interleave or None  # kernel ops take 0 for "[gate | up] halves"
 
 
-# --------------------------------------------------------------------------------------------
-# launches (inputs validated and TMA-ready)
-# --------------------------------------------------------------------------------------------
-
-
 def _fc1(x, w1, offsets, a, h, probs, b1, act: Activation, interleave: int | None) -> None:
     R, H = x.shape
     E, F_ = w1.shape[0], a.shape[1]
@@ -142,11 +137,6 @@ def _release(t: torch.Tensor | None) -> None:
         t.untyped_storage().resize_(0)
 
 
-# --------------------------------------------------------------------------------------------
-# kernel ops
-# --------------------------------------------------------------------------------------------
-
-
 def _forward_fake(x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h):
     R = x.shape[0]
     h = x.new_empty(R if store_h else 0, w1.shape[1])
@@ -162,14 +152,12 @@ def _forward(
     probs: torch.Tensor | None,  # [R]
     b1: torch.Tensor | None,  # [E, W1]
     b2: torch.Tensor | None,  # [E, H]
-    act_name: str,
-    limit: float,
-    alpha: float,
-    offset: float,
+    act_name: str, limit: float, alpha: float, offset: float,  # the Activation
     interleave: int,  # 0: [gate | up] halves
     store_h: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # y [R, H], h [R or 0, W1], a [R, F]
-    """Fused forward: (y, h (empty unless ``store_h``), a = act(h) * probs)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Fused forward: (y [R, H], h [R, W1] ([0, W1] unless ``store_h``), a [R, F] = act(h) *
+    probs)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
     x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(x, offsets, w1, w2, probs, b1, b2)
     R, H = x.shape
@@ -366,11 +354,6 @@ def _run_backward(
     return bwd.outputs()
 
 
-# --------------------------------------------------------------------------------------------
-# autograd
-# --------------------------------------------------------------------------------------------
-
-
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd):
@@ -401,11 +384,6 @@ class _GroupedMLPFn(torch.autograd.Function):
 
 
 _apply_grouped_mlp = function_apply(_GroupedMLPFn)
-
-
-# --------------------------------------------------------------------------------------------
-# unfused composition (CPU path and fallback)
-# --------------------------------------------------------------------------------------------
 
 
 def _pad_units(w: torch.Tensor, dim: int, F_: int, F_pad: int, gated: bool, inter) -> torch.Tensor:
@@ -444,11 +422,6 @@ def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg
     if probs is not None:
         a = a * probs.float()[:, None]
     return grouped_linear(a.to(x.dtype), w2, offsets, b2, mg2)
-
-
-# --------------------------------------------------------------------------------------------
-# validation, cached per static configuration
-# --------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -597,10 +570,6 @@ def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, r
         return _make_plan(*args)
     return cached(key, lambda: _make_plan(*args))
 
-
-# --------------------------------------------------------------------------------------------
-# public entry point
-# --------------------------------------------------------------------------------------------
 
 _warned: set[str] = set()
 

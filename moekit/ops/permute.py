@@ -95,11 +95,6 @@ class Dispatch:
     dropless: bool
 
 
-# ------------------------------------------------------------------------------------------------
-# Kernel ops: the row copies (Triton on CUDA and in the interpreter, the reference on CPU)
-# ------------------------------------------------------------------------------------------------
-
-
 def _scatter_fake(
     x, row_index, offsets, tpe, slot_vals, row_weight, dot_src, R, align, tail_lo, dt
 ):
@@ -185,11 +180,6 @@ def gather(
     return out, vals
 
 
-# ------------------------------------------------------------------------------------------------
-# Autograd
-# ------------------------------------------------------------------------------------------------
-
-
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     # Incoming gradients may be expanded or strided; the kernels need unit stride along H.
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -269,11 +259,6 @@ class _UnpermuteFn(torch.autograd.Function):
 
 _apply_permute = function_apply(_PermuteFn)
 _apply_unpermute = function_apply(_UnpermuteFn)
-
-
-# ------------------------------------------------------------------------------------------------
-# Validation helpers
-# ------------------------------------------------------------------------------------------------
 
 
 def _check_int(name: str, value: object, lo: int) -> int:
@@ -388,11 +373,6 @@ def _capacity(capacity_factor: object, out_rows: object, T: int, k: int, E: int,
 def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
     # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
     return min(slots, num_rows) if dropless else 0
-
-
-# ------------------------------------------------------------------------------------------------
-# Public ops
-# ------------------------------------------------------------------------------------------------
 
 
 def permute(

@@ -85,11 +85,6 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-# --------------------------------------------------------------------------------------------
-# kernel ops (torch.library custom ops; see moekit.ops.custom_op)
-# --------------------------------------------------------------------------------------------
-
-
 def _forward_fake(x, residual, weight, eps, store_rstd):
     T, H = x.shape
     ro = x.new_empty(T if residual is not None else 0, H)
@@ -168,11 +163,6 @@ def add_rmsnorm_backward(
     return dx, dw.to(weight.dtype)
 
 
-# --------------------------------------------------------------------------------------------
-# autograd
-# --------------------------------------------------------------------------------------------
-
-
 def rows(t: torch.Tensor | None) -> torch.Tensor | None:
     """``t`` [..., H] as [T, H] rows (a view)."""
     return None if t is None else t.view(-1, t.shape[-1])
@@ -207,11 +197,6 @@ class _AddRMSNormFn(torch.autograd.Function):
 
 
 _apply_add_rmsnorm = function_apply(_AddRMSNormFn)
-
-
-# --------------------------------------------------------------------------------------------
-# public ops
-# --------------------------------------------------------------------------------------------
 
 
 def add_rmsnorm(

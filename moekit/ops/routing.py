@@ -35,11 +35,6 @@ def max_rows(num_tokens: int, topk: int, num_experts: int, align: int) -> int:
     return slots + min(num_experts, slots) * (align - 1)
 
 
-# ------------------------------------------------------------------------------------------------
-# routing metadata
-# ------------------------------------------------------------------------------------------------
-
-
 def routing_metadata_torch(
     indices: torch.Tensor,  # [T, k] int; outside [0, E) = dropped slot
     num_experts: int,
@@ -145,11 +140,6 @@ def routing_metadata(
     if not indices.is_contiguous():
         indices = indices.contiguous()  # [T, k] ints: metadata-sized, not an activation copy
     return _metadata(indices, num_experts, align, out_rows)
-
-
-# ------------------------------------------------------------------------------------------------
-# drops, routing maps, chunk sorting
-# ------------------------------------------------------------------------------------------------
 
 
 def capacity_drop(

@@ -188,9 +188,6 @@ class LaunchReplay:
         if not replay.run(roles):          # not ready yet, or this call does not qualify
             with replay.recording(roles):  # records when due, else a no-op
                 ... launchers, called the normal way ...
-
-    The first call runs normally (configs get picked or tuned then), the second records, later
-    calls replay.
     """
 
     __slots__ = (

@@ -35,11 +35,6 @@ TWO_SHOT_ALGOS = ("two_shot", "lamport_two_shot")
 LAMPORT_ALGOS = ("lamport", "lamport_two_shot")
 
 
-# --------------------------------------------------------------------------------------------
-# launch shapes
-# --------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class AllreduceConfig:
     """Launch shape of one call of the fused all-reduce kernel."""
@@ -125,10 +120,6 @@ def allreduce_config(algo: str, T: int, H: int, world: int, max_programs: int) -
     grid = max(1, min(work, max_programs))
     return AllreduceConfig(grid, num_warps, split, gather_tile)
 
-
-# --------------------------------------------------------------------------------------------
-# algorithm selection (``algo="auto"``)
-# --------------------------------------------------------------------------------------------
 
 # Largest message (T·H·element size, bytes) each algorithm is picked for, on the world sizes
 # where the algorithms were compared. NCCL (+ the local add and norm) never won there, so it

@@ -77,10 +77,6 @@ class GemmConfig:
 # Small tiles: the interpreter runs programs one after another.
 INTERPRET_CONFIG = GemmConfig(32, 32, 32, group_m=2, num_warps=4, num_stages=1)
 
-# ---------------------------------------------------------------------------------------------
-# ragged M (forward, dgrad)
-# ---------------------------------------------------------------------------------------------
-
 # Expert-aligned bands with the flattened loop: robust across routings, which matters because
 # the choice is reused for every routing a layer sees.
 RAGGED_M_DEFAULT = GemmConfig(
@@ -140,10 +136,6 @@ def ragged_m_candidates(
     return cands
 
 
-# ---------------------------------------------------------------------------------------------
-# ragged K (weight gradient)
-# ---------------------------------------------------------------------------------------------
-
 # 16-bit output: the routing-chosen schedule (flattened static deal where the routing is
 # balanced, greedy dynamic where it is skewed), so one config serves both kinds of routing.
 RAGGED_K_DEFAULT_16 = GemmConfig(
@@ -177,10 +169,6 @@ def ragged_k_candidates(dtype: torch.dtype, out_dtype: torch.dtype) -> tuple[Gem
     first = RAGGED_K_DEFAULT_FP32_OUT if out_dtype == torch.float32 else RAGGED_K_DEFAULT_16
     return (first, *(c for c in RAGGED_K_CANDIDATES if c != first))
 
-
-# ---------------------------------------------------------------------------------------------
-# the tuner
-# ---------------------------------------------------------------------------------------------
 
 Launch = Callable[[GemmConfig], object]
 # A candidate replaces the default only if faster by more than this fraction on every routing
@@ -252,11 +240,6 @@ def _tune(
 def tuned_configs() -> dict[tuple, GemmConfig]:
     """The autotuner's choices so far, keyed by ("tuned", form, dtype, static sizes, layout)."""
     return cache_entries("tuned")
-
-
-# ---------------------------------------------------------------------------------------------
-# routings the tuner times besides the call's own
-# ---------------------------------------------------------------------------------------------
 
 
 def routing_robust_launches(

@@ -29,11 +29,6 @@ TILE_ELEMS = 8192
 SMALL_BLOCKS_MIN_PAIRS = 1 << 16
 
 
-# ---------------------------------------------------------------------------------------------
-# routing metadata
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class MetaConfig:
     """Launch shape of the three metadata kernels (histogram, scan, rows)."""
@@ -68,11 +63,6 @@ def meta_config(n: int) -> MetaConfig:
     block_n = min(max(triton.next_power_of_2(triton.cdiv(max(n, 1), 512)), 256), 1024)
     scan = _scan(8, 512, triton.cdiv(max(n, 1), block_n))
     return MetaConfig(block_n, 4, 4, *scan)
-
-
-# ---------------------------------------------------------------------------------------------
-# row copies
-# ---------------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
