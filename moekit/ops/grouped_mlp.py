@@ -18,6 +18,8 @@ replay their recorded launches (:mod:`moekit.runtime.replay`).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import warnings
 
 import torch
@@ -55,6 +57,7 @@ __all__ = ["grouped_mlp"]
 ONE_SEGMENT_MAX_BYTES = 64 << 20
 
 
+@functools.cache
 def _activation(name: str, limit: float, alpha: float, offset: float) -> Activation:
     return Activation(name, limit=limit, alpha=alpha, offset=offset)
 
@@ -123,6 +126,18 @@ def _tma_layouts(x, offsets, w1, w2, probs, b1, b2) -> tuple:
     return x, offsets.contiguous(), w1, w2, probs, b1, b2
 
 
+def _replay_key(base: tuple, plan_uid: int, given: tuple, used: tuple) -> tuple | None:
+    """The replay key of a launch sequence. A validated plan fixes every input's shape,
+    stride, dtype and device, so ``(base, plan_uid)`` is the key when the kernels read the
+    inputs as given; when a layout copy was made (a strided view, a misaligned base), or
+    without a plan, the key spells out every tensor. None off CUDA (no replay)."""
+    if not used[0].is_cuda:
+        return None
+    if plan_uid and all(p is q for p, q in zip(given, used)):
+        return (*base, plan_uid)
+    return (*base, *map(tensor_key, used))
+
+
 def _released(t: torch.Tensor | None) -> bool:
     return t is not None and t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
@@ -137,7 +152,9 @@ def _release(t: torch.Tensor | None) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _forward_fake(x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h):
+def _forward_fake(
+    x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h, uid
+):
     R = x.shape[0]
     h = x.new_empty(R if store_h else 0, w1.shape[1])
     return x.new_empty(R, w2.shape[1]), h, x.new_empty(R, w2.shape[2])
@@ -155,20 +172,22 @@ def _forward(
     act_name: str, limit: float, alpha: float, offset: float,  # the Activation
     interleave: int,  # 0: [gate | up] halves
     store_h: bool,
+    plan_uid: int,  # the validated configuration (see _replay_key)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Fused forward: (y [R, H], h [R, W1] ([0, W1] unless ``store_h``), a [R, F] = act(h) *
     probs)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
-    x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(x, offsets, w1, w2, probs, b1, b2)
+    given = (x, offsets, w1, w2, probs, b1, b2)
+    x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(*given)
     R, H = x.shape
     dev, dt = x.device, x.dtype
     a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
     h = torch.empty(R if store_h else 0, w1.shape[1], device=dev, dtype=dt)
     y = torch.empty(R, H, device=dev, dtype=dt)
     if R > 0:
-        key = None
-        if x.is_cuda:
-            key = ("mlp_fwd", act, inter, *map(tensor_key, (x, offsets, w1, w2, probs, b1, b2)))
+        key = _replay_key(
+            ("mlp_fwd", act, inter), plan_uid, given, (x, offsets, w1, w2, probs, b1, b2)
+        )
         h_or_none = h if store_h else None
 
         def body() -> None:
@@ -222,6 +241,7 @@ def _backward(
     b1_dtype: torch.dtype,
     b2_dtype: torch.dtype,
     release: bool,  # free h and the activation as soon as they are consumed
+    plan_uid: int,  # the validated configuration (see _replay_key)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each a [0] tensor
     where it is not an output (not wanted, or a weight gradient that went to main_grad)."""
@@ -231,12 +251,15 @@ def _backward(
         return tuple(
             torch.zeros(sh if want else (0,), dtype=dt, device=x.device) for want, sh, dt in spec
         )
-    x, offsets, w1, w2, probs, b1, _ = _tma_layouts(x, offsets, w1, w2, probs, b1, None)
+    given = (x, offsets, w1, w2, probs, b1)
+    x, offsets, w1, w2, probs, b1, _ = _tma_layouts(*given, None)
     if _released(h):  # a second backward through the same graph (retain_graph=True)
         h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
+    dy = tma_rows(dy.to(x.dtype))
+    uid = plan_uid if all(p is q for p, q in zip(given, (x, offsets, w1, w2, probs, b1))) else 0
     grads = _run_backward(
-        tma_rows(dy.to(x.dtype)), x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
-        (b1_dtype, b2_dtype), release,
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
+        (b1_dtype, b2_dtype), release, uid,
     )  # fmt: skip
     # an output not wanted is a [0] tensor of its own (outputs may not alias each other)
     return tuple(g if want else x.new_empty(0) for g, (want, _, _) in zip(grads, spec))
@@ -273,7 +296,7 @@ class _Backward:
         self.dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
         self.act_out = (a if a is not None else self.a_re) if need_w2 else None
         self.dx = self.t1 = self.t2 = self.db1 = self.db2 = None
-        self.base = ("mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None)
+        self.base = ("mlp_bwd", 0, act, inter, tuple(needs), mg1 is not None, mg2 is not None)
 
     def held_bytes(self) -> int:
         """What three segments would free early: h and the activation."""
@@ -310,7 +333,11 @@ class _Backward:
         )  # fmt: skip
 
     def _replay(self, segment: str, roles: tuple, body) -> None:
-        key = (*self.base, segment, *map(tensor_key, roles)) if self.x.is_cuda else None
+        key = None
+        if self.x.is_cuda:
+            key = (*self.base, segment)
+            if self.base[1] == 0:  # no plan: every tensor spelled out
+                key = (*key, *map(tensor_key, roles))
         replayed(key, roles, body)
 
     def one_segment(self) -> None:
@@ -341,9 +368,11 @@ class _Backward:
 
 
 def _run_backward(
-    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release
+    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release, uid
 ):
     bwd = _Backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes)
+    if uid:  # the plan fixes every tensor's layout but dy's
+        bwd.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype)
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES:
         bwd.one_segment()
     else:
@@ -356,9 +385,12 @@ def _run_backward(
 
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd):
-        y, h, a = _forward(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd)
+    def forward(
+        ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid
+    ):
+        y, h, a = _forward(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
         ctx.act = (*act, inter)
+        ctx.plan_uid = uid
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grads = (mg1, mg2)
@@ -374,13 +406,13 @@ class _GroupedMLPFn(torch.autograd.Function):
         needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
         dx, dw1, dw2, dp, db1, db2 = _backward(
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.bias_dtypes, plain_eager((grad,)),
+            *ctx.bias_dtypes, plain_eager((grad,)), ctx.plan_uid,
         )  # fmt: skip
         wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
         dx, dw1, dw2, dp, db1, db2 = (
             t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
         )
-        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None
+        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None
 
 
 _apply_grouped_mlp = function_apply(_GroupedMLPFn)
@@ -424,6 +456,9 @@ def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg
     return grouped_linear(a.to(x.dtype), w2, offsets, b2, mg2)
 
 
+_plan_uids = itertools.count(1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     """What validation decided for one static configuration of a call."""
@@ -433,6 +468,9 @@ class _Plan:
     recompute: bool
     for_backward: bool  # grad mode on and an input requires grad: store h for backward
     unfused_reason: str | None  # why the fused kernels cannot run this ("": CPU reference)
+    # names a cached configuration for the kernel ops' launch replay (0: none, e.g. when
+    # compiling, where every call is validated afresh)
+    uid: int = 0
 
 
 def _check_optional(name, t, shape, ref) -> None:
@@ -565,10 +603,13 @@ def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, r
     if key is None:
         return _make_plan(*args)
     try:
-        hash(key)
-    except TypeError:  # an unhashable argument: the full checks say what is wrong
-        return _make_plan(*args)
-    return cached(key, lambda: _make_plan(*args))
+        return cached(key, lambda: dataclasses.replace(_make_plan(*args), uid=next(_plan_uids)))
+    except TypeError:
+        try:
+            hash(key)
+        except TypeError:  # an unhashable argument: the full checks say what is wrong
+            return _make_plan(*args)
+        raise
 
 
 _warned: set[str] = set()
@@ -625,7 +666,7 @@ def grouped_mlp(
         a = plan.act
         return _apply_grouped_mlp(
             x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
-            plan.interleave or 0, plan.recompute, plan.for_backward,
+            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid,
         )  # fmt: skip
     if reason and reason not in _warned:
         _warned.add(reason)

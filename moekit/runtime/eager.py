@@ -7,7 +7,10 @@ from torch import nn
 
 __all__ = ["plain_eager"]
 
-_PLAIN = (torch.Tensor, nn.Parameter)
+# Argument types that need no closer look (a tensor subclass is not among them).
+_SIMPLE = frozenset(
+    (torch.Tensor, nn.Parameter, type(None), int, float, bool, str, tuple, list, torch.dtype)
+)
 
 
 def plain_eager(args: tuple) -> bool:
@@ -21,4 +24,8 @@ def plain_eager(args: tuple) -> bool:
         return False
     if torch._C._are_functorch_transforms_active() or torch._C._len_torch_dispatch_stack():
         return False
-    return all(a.__class__ in _PLAIN for a in args if isinstance(a, torch.Tensor))
+    # a loop, not all(...): a generator costs more than the checks on a hot path
+    for a in args:  # noqa: SIM110
+        if type(a) not in _SIMPLE and isinstance(a, torch.Tensor):
+            return False
+    return True
