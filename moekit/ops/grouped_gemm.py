@@ -100,7 +100,8 @@ def launch_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
 
 
 def _launch_ragged_m(a, b, offsets, bias, out) -> None:
-    a, b, offsets = tma_rows(a), weight_layout(b), offsets.contiguous()
+    a, b = tma_rows(a), weight_layout(b)
+    offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
     key = None
     if a.is_cuda:
         key = ("grouped_mm_m", *map(tensor_key, (a, b, offsets, bias, out)))
@@ -110,7 +111,8 @@ def _launch_ragged_m(a, b, offsets, bias, out) -> None:
 def _launch_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
     # The kernel reads both operands as rows of T: a as the transposed view of a row-major
     # [T, M] (how dy.t() arrives in wgrad) and b row-major [T, N]; other layouts are copied.
-    a, b, offsets = tma_rows(a.t()).t(), tma_rows(b), offsets.contiguous()
+    a, b = tma_rows(a.t()).t(), tma_rows(b)
+    offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
     key = None
     if a.is_cuda:
         key = ("grouped_mm_k", *map(tensor_key, (a, b, offsets, out)), accumulate)

@@ -122,8 +122,9 @@ def _tma_layouts(x, offsets, w1, w2, probs, b1, b2) -> tuple:
     x, w1, w2 = tma_rows(x), tma_rows(w1), tma_rows(w2)
     b1 = tma_rows(b1) if b1 is not None else None
     b2 = tma_rows(b2) if b2 is not None else None
-    probs = probs.contiguous() if probs is not None else None
-    return x, offsets.contiguous(), w1, w2, probs, b1, b2
+    if probs is not None and not probs.is_contiguous():
+        probs = probs.contiguous()
+    return x, offsets if offsets.is_contiguous() else offsets.contiguous(), w1, w2, probs, b1, b2
 
 
 def _replay_key(base: tuple, plan_uid: int, given: tuple, used: tuple) -> tuple | None:
@@ -255,7 +256,7 @@ def _backward(
     x, offsets, w1, w2, probs, b1, _ = _tma_layouts(*given, None)
     if _released(h):  # a second backward through the same graph (retain_graph=True)
         h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
-    dy = tma_rows(dy.to(x.dtype))
+    dy = tma_rows(dy if dy.dtype == x.dtype else dy.to(x.dtype))
     uid = plan_uid if all(p is q for p, q in zip(given, (x, offsets, w1, w2, probs, b1))) else 0
     grads = _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
