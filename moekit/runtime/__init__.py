@@ -1,5 +1,6 @@
 """Launch infrastructure shared by every op: the launch path, its cache, device facts.
 
-This package is the only place in moekit that touches private torch or Triton internals (the
-raw CUDA stream, Triton's compiled-kernel launcher); everything above it uses public APIs.
+Private torch or Triton internals are confined to this package (the raw CUDA stream, the
+dispatch-mode stack, Triton's compiled-kernel launcher) and to moekit.distributed (torch's
+symmetric-memory module and process-group registry, which have no public equivalent).
 """
