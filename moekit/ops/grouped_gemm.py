@@ -39,6 +39,7 @@ from moekit.tuning import grouped_gemm as tuning
 
 __all__ = [
     "grouped_mm",
+    "input_and_bias_grads",
     "launch_ragged_k",
     "launch_ragged_m",
     "ragged_k",
@@ -214,6 +215,18 @@ def segment_sum_rows(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return out.index_add_(0, expert, x.float())[:-1]
 
 
+def input_and_bias_grads(ctx, grad, b_t, offsets, dtype) -> tuple:
+    """The input and bias gradients of a ragged-M product y = a @ b[e] (+ bias[e]) inside an
+    autograd Function whose inputs 0 and 3 are a and bias: da = grad @ b[e]^T (``b_t`` is
+    b [E, K, N] viewed [E, N, K]) and the per-expert row sums of grad."""
+    da = dbias = None
+    if ctx.needs_input_grad[0]:
+        da = ragged_m(grad, b_t, offsets, None, dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
+        dbias = segment_sum_rows(grad, offsets).to(ctx.bias_dtype)
+    return da, dbias
+
+
 class _RaggedMFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b, offsets, bias, out_dtype):
@@ -225,13 +238,8 @@ class _RaggedMFn(torch.autograd.Function):
     def backward(ctx, grad):
         a, b, offsets = ctx.saved_tensors
         grad = grad.to(a.dtype)
-        da = db = dbias = None
-        if ctx.needs_input_grad[0]:
-            da = ragged_m(grad, b.transpose(1, 2), offsets, None, a.dtype)
-        if ctx.needs_input_grad[1]:
-            db = ragged_k(a.t(), grad, offsets, b.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-            dbias = segment_sum_rows(grad, offsets).to(ctx.bias_dtype)
+        da, dbias = input_and_bias_grads(ctx, grad, b.transpose(1, 2), offsets, a.dtype)
+        db = ragged_k(a.t(), grad, offsets, b.dtype) if ctx.needs_input_grad[1] else None
         return da, db, None, dbias, None
 
 

@@ -5,18 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from moekit.ops import validation as v
 from moekit.ops.custom_op import function_apply
-from moekit.ops.grouped_gemm import ragged_k, ragged_k_out, ragged_m, segment_sum_rows
-from moekit.ops.validation import (
-    FLOAT_DTYPES,
-    check_byte_aligned,
-    check_dtype,
-    check_interpretable,
-    check_ndim,
-    check_offsets,
-    check_same_device,
-    check_tensor,
-)
+from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
 
 __all__ = ["check_features", "grouped_linear"]
 
@@ -35,16 +26,13 @@ class _GroupedLinearFn(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, offsets = ctx.saved_tensors
         grad = grad.to(x.dtype)
-        dx = dw = dbias = None
-        if ctx.needs_input_grad[0]:
-            dx = ragged_m(grad, weight, offsets, None, x.dtype)  # [T, N] @ [E, N, K]
+        dx, dbias = input_and_bias_grads(ctx, grad, weight, offsets, x.dtype)
+        dw = None
         if ctx.needs_input_grad[1]:
             if ctx.main_grad is not None:
                 ragged_k_out(grad.t(), x, offsets, ctx.main_grad, True)
             else:
                 dw = ragged_k(grad.t(), x, offsets, weight.dtype)  # [E, N, K]
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[3]:
-            dbias = segment_sum_rows(grad, offsets).to(ctx.bias_dtype)
         return dx, dw, None, dbias, None
 
 
@@ -54,42 +42,42 @@ _apply_grouped_linear = function_apply(_GroupedLinearFn)
 def check_features(in_features: int, out_features: int, dtype: torch.dtype) -> None:
     """The grouped GEMM reads rows through TMA: in_features and out_features must each span a
     multiple of 16 bytes of ``dtype``."""
-    check_byte_aligned("in_features", in_features, dtype, "in_features")
-    check_byte_aligned("out_features", out_features, dtype, "out_features")
+    v.check_byte_aligned("in_features", in_features, dtype, "in_features")
+    v.check_byte_aligned("out_features", out_features, dtype, "out_features")
 
 
 def _check_inputs(x, weight, offsets, bias, main_grad):
-    x = check_tensor("x", x)
-    weight = check_tensor("weight", weight)
-    check_ndim("weight", weight, 3, "[num_experts, out_features, in_features]")
+    x = v.check_tensor("x", x)
+    weight = v.check_tensor("weight", weight)
+    v.check_ndim("weight", weight, 3, "[num_experts, out_features, in_features]")
     E, N, K = weight.shape
-    check_ndim("x", x, 2, f"[T, in_features = {K}]")
-    check_dtype("x", x, FLOAT_DTYPES)
+    v.check_ndim("x", x, 2, f"[T, in_features = {K}]")
+    v.check_dtype("x", x, v.FLOAT_DTYPES)
     if weight.dtype != x.dtype:
         raise TypeError(f"weight must have x's dtype {x.dtype}, got {weight.dtype}")
-    check_same_device("weight", weight, "x", x)
+    v.check_same_device("weight", weight, "x", x)
     if x.shape[1] != K:
         raise ValueError(
             f"x.shape[1] must equal in_features = {K} (weight.shape[2]), got x of shape "
             f"{tuple(x.shape)}"
         )
     check_features(K, N, x.dtype)
-    check_interpretable("x", x)
-    offsets = check_offsets(offsets, E, "x", x, "num_experts = weight.shape[0]")
+    v.check_interpretable("x", x)
+    offsets = v.check_offsets(offsets, E, "x", x, "num_experts = weight.shape[0]")
     if bias is not None:
-        bias = check_tensor("bias", bias)
+        bias = v.check_tensor("bias", bias)
         if tuple(bias.shape) != (E, N):
             raise ValueError(
                 f"bias must have shape (num_experts, out_features) = {(E, N)}, got "
                 f"{tuple(bias.shape)}"
             )
-        check_same_device("bias", bias, "x", x)
-        check_dtype("bias", bias, FLOAT_DTYPES)
+        v.check_same_device("bias", bias, "x", x)
+        v.check_dtype("bias", bias, v.FLOAT_DTYPES)
         if bias.stride(1) != 1:
             raise ValueError(f"bias must have unit stride along out_features, got {bias.stride()}")
     if main_grad is not None:
-        main_grad = check_tensor("main_grad", main_grad)
-        check_dtype("main_grad", main_grad, (torch.float32,))
+        main_grad = v.check_tensor("main_grad", main_grad)
+        v.check_dtype("main_grad", main_grad, (torch.float32,))
         if main_grad.shape != weight.shape or main_grad.device != weight.device:
             raise ValueError(
                 f"main_grad must match weight's shape {tuple(weight.shape)} on {weight.device}, "
