@@ -281,7 +281,7 @@ class _Backward:
     five launches as one replayed segment; large ones run three segments, freeing h and the
     activation before dx and dw1 are allocated in their place."""
 
-    def __init__(self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt):
+    def __init__(self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid):
         self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
         self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
         self.needs, self.bias_dtypes = needs, bdt
@@ -297,7 +297,13 @@ class _Backward:
         self.dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
         self.act_out = (a if a is not None else self.a_re) if need_w2 else None
         self.dx = self.t1 = self.t2 = self.db1 = self.db2 = None
-        self.base = ("mlp_bwd", 0, act, inter, tuple(needs), mg1 is not None, mg2 is not None)
+        # Replay key prefix: a plan (uid) fixes every tensor's layout but dy's; without one,
+        # _replay spells out every tensor.
+        self.uid = uid
+        if uid:
+            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype)
+        else:
+            self.base = ("mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None)
 
     def held_bytes(self) -> int:
         """What three segments would free early: h and the activation."""
@@ -337,7 +343,7 @@ class _Backward:
         key = None
         if self.x.is_cuda:
             key = (*self.base, segment)
-            if self.base[1] == 0:  # no plan: every tensor spelled out
+            if not self.uid:
                 key = (*key, *map(tensor_key, roles))
         replayed(key, roles, body)
 
@@ -371,9 +377,9 @@ class _Backward:
 def _run_backward(
     dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release, uid
 ):
-    bwd = _Backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes)
-    if uid:  # the plan fixes every tensor's layout but dy's
-        bwd.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype)
+    bwd = _Backward(
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, uid
+    )
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES:
         bwd.one_segment()
     else:

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["MAX_ENTRIES", "cache_clear", "cache_entries", "cached"]
+__all__ = ["MAX_ENTRIES", "cache_clear", "cache_entries", "cache_get", "cached"]
 
 MAX_ENTRIES = 2048
 
@@ -33,6 +33,11 @@ def cached(key: Hashable, build: Callable[[], Any]) -> Any:
         return value
     _entries.move_to_end(key)
     return value
+
+
+def cache_get(key: Hashable) -> Any:
+    """The entry of ``key``, or None; builds nothing."""
+    return _entries.get(key)
 
 
 def cache_entries(kind: str) -> dict[Hashable, Any]:

@@ -20,7 +20,7 @@ import triton
 import triton.testing
 
 from moekit.config import autotune_enabled, interpret_mode
-from moekit.runtime.cache import cache_entries, cached
+from moekit.runtime.cache import cache_entries, cache_get, cached
 from moekit.runtime.device import is_capturing
 
 __all__ = [
@@ -195,7 +195,7 @@ def choose_config(
         return interpret_config
     full_key = ("tuned", kind, dtype, *key)
     if not autotune_enabled() or is_capturing():
-        found = cache_entries("tuned").get(full_key)
+        found = cache_get(full_key)
         return found if found is not None else candidates[0]
     return cached(full_key, lambda: _tune(candidates, launches(), keep_default_within))
 
