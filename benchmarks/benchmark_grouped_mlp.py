@@ -72,14 +72,17 @@ import torch.nn.functional as F
 import triton
 from common import (
     GROUPED_MLP_SHAPES,
+    AutogradFloor,
     DensePeak,
     bench_ms,
     error_line,
     host_ms,
+    host_us_per_call,
     interleaved_rounds,
     pyplot,
     routing_counts,
     save_figure,
+    sleep_cycles_per_ms,
     write_json,
 )
 
@@ -388,96 +391,11 @@ def run_shape(name, R, E, H, Fd, names, timer, peak, device, seed, profile_launc
 # ------------------------------------------------------------------------------------------------
 
 
-def sleep_cycles_per_ms() -> float:
-    """Calibrate torch.cuda._sleep: cycles per ms of GPU time."""
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 100_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    torch.cuda.synchronize()
-    return cycles / start.elapsed_time(end)
-
-
 HOST_ROUNDS = 3
 # (autograd multithreading, key suffix): autograd's default runs a CUDA graph's backward on
 # its per-device thread while the caller waits; torch.autograd.set_multithreading_enabled(False)
 # (thread-local) runs it on the caller's thread, which saves the hand-off between the two.
 HOST_MODES = ((True, ""), (False, "_caller_thread"))
-
-
-def host_us_per_call(
-    fn, n: int, cycles_per_ms: float | None, per_batch: int = 25, passes: int = 2
-) -> tuple[float, bool]:
-    """Host µs per call of ``fn``: n calls, in batches of ``per_batch`` each enqueued behind a GPU
-    sleep and timed with no synchronisation inside; best of ``passes``. Batches keep the pending
-    launches under the GPU's launch-queue depth (about a thousand), past which a launch blocks
-    until the GPU drains: a batch of the torch composition, the contender with the most launches
-    per call, stays below it.
-    Returns (µs, covered): covered is False when the GPU went idle before a batch's last call was
-    enqueued (the op synchronised, or the sleep was too short), so the host waited on the GPU."""
-    for _ in range(5):  # warm: the caching allocator holds every block the loop needs
-        fn()
-    if cycles_per_ms is None:  # CPU: everything runs on the host anyway
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6, True
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-        torch.cuda.synchronize()
-    upper_ms = (time.perf_counter() - t0) / 3 * 1e3  # host + GPU time per call: an upper bound
-    best, best_covered = math.inf, False
-    attempts = 2  # a second, longer sleep if the first ran out
-    for _ in range(passes):
-        total_s, covered_all, done = 0.0, True, 0
-        while done < n:
-            k = min(per_batch, n - done)
-            for attempt in range(attempts):
-                sleep_ms = (10 + 2 * k * upper_ms) * 4**attempt
-                torch.cuda._sleep(int(sleep_ms * cycles_per_ms))
-                slept = torch.cuda.Event()
-                slept.record()
-                t0 = time.perf_counter()
-                for _ in range(k):
-                    fn()
-                dt = time.perf_counter() - t0
-                covered = not slept.query()  # the sleep still runs: the host never waited
-                torch.cuda.synchronize()
-                if covered:
-                    break
-            if not covered:
-                attempts = 1  # even a 4x sleep ran out: fn synchronises, stop retrying
-            total_s, covered_all, done = total_s + dt, covered_all and covered, done + k
-        us = total_s / n * 1e6
-        if (covered_all, -us) > (best_covered, -best):  # prefer covered passes, then faster
-            best, best_covered = us, covered_all
-        if not covered_all:
-            break
-    return best, best_covered
-
-
-class AutogradFloor(torch.autograd.Function):
-    """One custom autograd op with the grouped MLP's inputs and outputs and no kernels: y
-    allocated forward, dx, dw1, dw2, dprobs backward. Its host time is what any custom op of
-    this signature pays for Function.apply, the engine's backward and the allocations, before
-    it launches anything: the floor under moekit's host time on the same machine."""
-
-    @staticmethod
-    def forward(ctx, x, offsets, w1, w2, probs):
-        ctx.saved_inputs = (x, w1, w2, probs)
-        return torch.empty_like(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w1, w2, p = ctx.saved_inputs
-        return (
-            torch.empty_like(x), None, torch.empty_like(w1), torch.empty_like(w2),
-            torch.empty_like(p),
-        )  # fmt: skip
 
 
 FLOOR = "autograd_floor"

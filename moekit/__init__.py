@@ -2,6 +2,6 @@
 
 from moekit import nn, ops
 from moekit.activations import Activation
+from moekit.version import VERSION as __version__
 
-__version__ = "0.1.0"
 __all__ = ["Activation", "__version__", "nn", "ops"]

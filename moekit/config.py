@@ -13,6 +13,7 @@ import os
 __all__ = [
     "allreduce_threshold_bytes",
     "autotune_enabled",
+    "cache_dir",
     "check_interpret_unchanged",
     "interpret_mode",
     "lamport_slot_bytes",
@@ -51,8 +52,19 @@ def check_interpret_unchanged() -> None:
 
 
 def autotune_enabled() -> bool:
-    """``MOEKIT_AUTOTUNE=0`` turns autotuning off: the shape-based default configs are used."""
-    return os.environ.get("MOEKIT_AUTOTUNE", "1") != "0"
+    """``MOEKIT_AUTOTUNE=1`` turns autotuning on; otherwise the shape-based default configs
+    are used (no first-call timing of candidates)."""
+    return os.environ.get("MOEKIT_AUTOTUNE", "0") == "1"
+
+
+def cache_dir() -> str:
+    """Where moekit keeps tuned configs: ``MOEKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/moekit``,
+    else ``~/.cache/moekit``."""
+    explicit = os.environ.get("MOEKIT_CACHE_DIR")
+    if explicit:
+        return explicit
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "moekit")
 
 
 def _kib(name: str) -> int | None:

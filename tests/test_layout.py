@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "moekit"
 LAYERS = {
     "config": 0,
     "activations": 0,
+    "version": 0,
     "runtime": 1,
     "distributed": 1,
     "tuning": 2,

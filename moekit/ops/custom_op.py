@@ -44,16 +44,30 @@ def dispatcher_only() -> Iterator[None]:
 
 
 def kernel_op(
-    name: str, *, fake: Callable, mutates_args: Sequence[str] = ()
+    name: str, *, fake: Callable, mutates_args: Sequence[str] = (), none_outputs: bool = False
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``impl`` as the custom op ``moekit::<name>`` (its schema inferred from
     the type hints) with the fake implementation ``fake``; returns the function to call.
 
     The returned function runs ``impl`` directly in plain eager mode and the custom op
-    otherwise; ``.op`` is the custom op itself."""
+    otherwise; ``.op`` is the custom op itself. ``none_outputs``: ``impl`` returns a tuple in
+    which outputs it did not compute may be None; the direct call passes them on as None, and
+    the custom op (whose outputs must all be tensors) returns an empty tensor in their place,
+    so callers treat an empty tensor like None."""
 
     def register(impl: Callable) -> Callable:
-        op = torch.library.custom_op(f"moekit::{name}", impl, mutates_args=tuple(mutates_args))
+        registered = impl
+        if none_outputs:
+
+            @functools.wraps(impl)
+            def registered(*args):
+                device = next(a.device for a in args if isinstance(a, torch.Tensor))
+                outs = impl(*args)
+                return tuple(torch.empty(0, device=device) if o is None else o for o in outs)
+
+        op = torch.library.custom_op(
+            f"moekit::{name}", registered, mutates_args=tuple(mutates_args)
+        )
         op.register_fake(fake)
 
         @functools.wraps(impl)

@@ -15,6 +15,9 @@ reference, or the kernels in Triton's interpreter when moekit is imported with
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
@@ -32,9 +35,10 @@ from moekit.ops.validation import (
     check_tensor,
 )
 from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
-from moekit.runtime.device import use_triton
+from moekit.runtime.cache import cache_get, cached
+from moekit.runtime.device import num_sms, use_triton
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.runtime.tma import tma_ready, tma_rows
+from moekit.runtime.tma import tma_ready, tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as tuning
 
 __all__ = [
@@ -71,7 +75,7 @@ def launch_ragged_m(a, b, offsets, bias, out) -> None:
         kernels.grouped_mm_ragged_m(a, b, offsets, out, bias, cfg)
 
     key = (N, K, E, b.stride(1) == 1 and b.stride(2) != 1, bias is not None)
-    cands = tuning.ragged_m_candidates(a.dtype, T, E, K, N)
+    cands = tuning.ragged_m_candidates(a.dtype, T, E, K, N, num_sms(a))
     cfg = tuning.choose_config(
         "m", key, a.dtype, a.device, cands,
         lambda: tuning.routing_robust_launches(launch, T, E, offsets),
@@ -100,49 +104,54 @@ def launch_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
     kernels.grouped_mm_ragged_k(a, b, offsets, out, accumulate, cfg)
 
 
-def _launch_ragged_m(a, b, offsets, bias, out) -> None:
-    a, b = tma_rows(a), weight_layout(b)
-    offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
-    key = None
-    if a.is_cuda:
+def _launch_ragged_m(a, b, offsets, bias, out, plan_uid: int) -> None:
+    if plan_uid and not (a.data_ptr() | b.data_ptr()) & 15:
+        # the plan's layouts are the kernel's and the bases are aligned: nothing to copy
+        key = ("grouped_mm_m", plan_uid)
+    else:
+        a, b = tma_rows(a), weight_layout(b)
+        offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
         key = ("grouped_mm_m", *map(tensor_key, (a, b, offsets, bias, out)))
+    key = key if a.is_cuda else None
     replayed(key, (a, b, offsets, bias, out), lambda: launch_ragged_m(a, b, offsets, bias, out))
 
 
-def _launch_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
-    # The kernel reads both operands as rows of T: a as the transposed view of a row-major
-    # [T, M] (how dy.t() arrives in wgrad) and b row-major [T, N]; other layouts are copied.
-    a, b = tma_rows(a.t()).t(), tma_rows(b)
-    offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
-    key = None
-    if a.is_cuda:
+def _launch_ragged_k(a, b, offsets, out, accumulate: bool, plan_uid: int) -> None:
+    if plan_uid and not (a.data_ptr() | b.data_ptr()) & 15:
+        key = ("grouped_mm_k", plan_uid)
+    else:
+        # The kernel reads both operands as rows of T: a as the transposed view of a row-major
+        # [T, M] (how dy.t() arrives in wgrad) and b row-major [T, N]; other layouts are copied.
+        a, b = tma_rows(a.t()).t(), tma_rows(b)
+        offsets = offsets if offsets.is_contiguous() else offsets.contiguous()
         key = ("grouped_mm_k", *map(tensor_key, (a, b, offsets, out)), accumulate)
+    key = key if a.is_cuda else None
     replayed(key, (a, b, offsets, out), lambda: launch_ragged_k(a, b, offsets, out, accumulate))
 
 
-def _run_ragged_m(a, b, offsets, bias, out) -> None:
+def _run_ragged_m(a, b, offsets, bias, out, plan_uid: int = 0) -> None:
     if a.shape[0] == 0:
         return
     if use_triton(a):
-        _launch_ragged_m(a, b, offsets, bias, out)
+        _launch_ragged_m(a, b, offsets, bias, out, plan_uid)
     else:
         out.copy_(grouped_mm_ragged_m_ref(a, b, offsets, out.dtype, bias))
 
 
-def _run_ragged_k(a, b, offsets, out, accumulate: bool) -> None:
+def _run_ragged_k(a, b, offsets, out, accumulate: bool, plan_uid: int = 0) -> None:
     if a.shape[1] == 0:  # T = 0: every expert is empty
         if not accumulate:
             out.zero_()
         return
     if use_triton(a):
-        _launch_ragged_k(a, b, offsets, out, accumulate)
+        _launch_ragged_k(a, b, offsets, out, accumulate, plan_uid)
     elif accumulate:
         out.add_(grouped_mm_ragged_k_ref(a, b, offsets, out.dtype))
     else:
         out.copy_(grouped_mm_ragged_k_ref(a, b, offsets, out.dtype))
 
 
-def _ragged_m_fake(a, b, offsets, bias, out_dtype):
+def _ragged_m_fake(a, b, offsets, bias, out_dtype, plan_uid=0):
     return a.new_empty(a.shape[0], b.shape[2], dtype=out_dtype)
 
 
@@ -153,10 +162,11 @@ def ragged_m(
     offsets: torch.Tensor,  # [E]
     bias: torch.Tensor | None,  # [E, N]
     out_dtype: torch.dtype,
+    plan_uid: int = 0,  # a validated plan whose layouts the kernel reads as given (0: none)
 ) -> torch.Tensor:  # [T, N]
     """Ragged-M grouped GEMM into a new tensor (inputs already validated)."""
     out = torch.empty(a.shape[0], b.shape[2], dtype=out_dtype, device=a.device)
-    _run_ragged_m(a, b, offsets, bias, out)
+    _run_ragged_m(a, b, offsets, bias, out, plan_uid)
     return out
 
 
@@ -174,7 +184,7 @@ def ragged_m_out(
     _run_ragged_m(a, b, offsets, bias, out)
 
 
-def _ragged_k_fake(a, b, offsets, out_dtype):
+def _ragged_k_fake(a, b, offsets, out_dtype, plan_uid=0):
     return a.new_empty(offsets.shape[0], a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -184,10 +194,11 @@ def ragged_k(
     b: torch.Tensor,  # [T, N]
     offsets: torch.Tensor,  # [E]
     out_dtype: torch.dtype,
+    plan_uid: int = 0,  # as in ragged_m
 ) -> torch.Tensor:  # [E, M, N]
     """Ragged-K grouped GEMM into a new tensor."""
     out = torch.empty(offsets.shape[0], a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
-    _run_ragged_k(a, b, offsets, out, accumulate=False)
+    _run_ragged_k(a, b, offsets, out, False, plan_uid)
     return out
 
 
@@ -229,10 +240,10 @@ def input_and_bias_grads(ctx, grad, b_t, offsets, dtype) -> tuple:
 
 class _RaggedMFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offsets, bias, out_dtype):
+    def forward(ctx, a, b, offsets, bias, out_dtype, plan_uid):
         ctx.save_for_backward(a, b, offsets)
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return ragged_m(a, b, offsets, bias, out_dtype)
+        return ragged_m(a, b, offsets, bias, out_dtype, plan_uid)
 
     @staticmethod
     def backward(ctx, grad):
@@ -240,14 +251,14 @@ class _RaggedMFn(torch.autograd.Function):
         grad = grad.to(a.dtype)
         da, dbias = input_and_bias_grads(ctx, grad, b.transpose(1, 2), offsets, a.dtype)
         db = ragged_k(a.t(), grad, offsets, b.dtype) if ctx.needs_input_grad[1] else None
-        return da, db, None, dbias, None
+        return da, db, None, dbias, None, None
 
 
 class _RaggedKFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, offsets, out_dtype):
+    def forward(ctx, a, b, offsets, out_dtype, plan_uid):
         ctx.save_for_backward(a, b, offsets)
-        return ragged_k(a, b, offsets, out_dtype)
+        return ragged_k(a, b, offsets, out_dtype, plan_uid)
 
     @staticmethod
     def backward(ctx, grad):
@@ -259,11 +270,69 @@ class _RaggedKFn(torch.autograd.Function):
             da = ragged_m(b, grad.transpose(1, 2), offsets, None, a.dtype).t()
         if ctx.needs_input_grad[1]:
             db = ragged_m(a.t(), grad, offsets, None, b.dtype)
-        return da, db, None, None
+        return da, db, None, None, None
 
 
 _apply_ragged_m = function_apply(_RaggedMFn)
 _apply_ragged_k = function_apply(_RaggedKFn)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plans: a call's validation, done once per static configuration
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    ragged_m: bool
+    out_dtype: torch.dtype
+    # Names the kernel ops' launch replay when the kernel reads every input as given (layouts
+    # TMA-ready, offsets contiguous); 0 otherwise (the ops then check layouts on every call).
+    uid: int
+
+
+_plan_uids = itertools.count(1)
+
+
+def _plan_key(a, b, offsets, bias, out_dtype) -> tuple | None:
+    """The static facts of a CUDA call that its validation depends on; None for CPU tensors and
+    for arguments that are not tensors (the full checks then say what is wrong). Written out
+    flat: it runs on every call."""
+    try:
+        if not a.is_cuda:
+            return None
+        return (
+            "mm_plan", a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
+            b.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
+            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
+            out_dtype,
+        )  # fmt: skip
+    except AttributeError:
+        return None
+
+
+def _make_plan(key, a, b, offsets, ragged_m: bool, out_dtype) -> _Plan:
+    """The plan of a validated call, cached under ``key`` (when there is one)."""
+    if ragged_m:
+        ready = tma_strides(a) and (tma_strides(b, 2) or tma_strides(b, 1))
+    else:
+        ready = tma_strides(a.t()) and tma_strides(b)
+    uid = next(_plan_uids) if key is not None and ready and offsets.is_contiguous() else 0
+    plan = _Plan(ragged_m, out_dtype, uid)
+    return cached(key, lambda: plan) if key is not None else plan
+
+
+def _run_plan(plan: _Plan, a, b, offsets, bias) -> torch.Tensor:
+    """The product of a validated call; through the autograd Function only when a gradient
+    is wanted."""
+    grad = torch.is_grad_enabled() and (
+        a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if plan.ragged_m:
+        run = _apply_ragged_m if grad else ragged_m
+        return run(a, b, offsets, bias, plan.out_dtype, plan.uid)
+    run = _apply_ragged_k if grad else ragged_k
+    return run(a, b, offsets, plan.out_dtype, plan.uid)
 
 
 def check_ragged_m_inputs(
@@ -303,7 +372,7 @@ def _check_no_grad(*tensors: torch.Tensor | None) -> None:
         raise ValueError("out= does not support autograd; call grouped_mm without out= instead")
 
 
-def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate):
+def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate, key):
     T, N = a.shape[0], b.shape[2]
     offsets, bias = check_ragged_m_inputs(a, b, offsets, bias, out_dtype)
     if accumulate:
@@ -311,7 +380,7 @@ def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, valida
     if validate:
         check_offsets_values(offsets, T)
     if out is None:
-        return _apply_ragged_m(a, b, offsets, bias, out_dtype)
+        return _run_plan(_make_plan(key, a, b, offsets, True, out_dtype), a, b, offsets, bias)
     _check_out(out, (T, N), out_dtype, a)
     if not out.is_contiguous():
         raise ValueError(
@@ -322,7 +391,7 @@ def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, valida
     return out
 
 
-def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate):
+def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key):
     M, T = a.shape
     check_dim_size("b", b, 0, T, "a.shape[1] (T, the ragged dimension)")
     N = b.shape[1]
@@ -334,7 +403,7 @@ def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, valida
     if validate:
         check_offsets_values(offsets, T)
     if out is None:
-        return _apply_ragged_k(a, b, offsets, out_dtype)
+        return _run_plan(_make_plan(key, a, b, offsets, False, out_dtype), a, b, offsets, None)
     _check_out(out, (offsets.shape[0], M, N), out_dtype, a)
     _check_no_grad(a, b, None)
     ragged_k_out(a, b, offsets, out, accumulate)
@@ -375,6 +444,12 @@ def grouped_mm(
     Returns:
         [T, N] (ragged M) or [E, M, N] (ragged K); ``out`` itself when given.
     """
+    key = None
+    if out is None and not validate and not torch.compiler.is_compiling():
+        key = _plan_key(a, b, offsets, bias, out_dtype)
+        plan = cache_get(key) if key is not None else None
+        if plan is not None:
+            return _run_plan(plan, a, b, offsets, bias)
     a = check_tensor("a", a)
     b = check_tensor("b", b)
     check_dtype("a", a, FLOAT_DTYPES)
@@ -389,9 +464,9 @@ def grouped_mm(
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
     if a.dim() == 2 and b.dim() == 3:
-        return _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate)
+        return _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
     if a.dim() == 2 and b.dim() == 2:
-        return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate)
+        return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
     raise ValueError(
         "grouped_mm takes a 2-D a with a 3-D b (ragged M: [T, K] x [E, K, N]) or a 2-D b "
         f"(ragged K: [M, T] x [T, N]); got a {tuple(a.shape)} and b {tuple(b.shape)}"

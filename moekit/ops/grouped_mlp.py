@@ -217,10 +217,16 @@ def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype):
 def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *rest):
     needs, b1_dtype, b2_dtype = rest[5], rest[6], rest[7]
     spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
-    return tuple(x.new_empty(shape if want else (0,), dtype=dt) for want, shape, dt in spec)
+    # an output not computed: the empty fp32 tensor kernel_op's none_outputs puts in its place
+    return tuple(
+        x.new_empty(shape, dtype=dt) if want else x.new_empty(0, dtype=torch.float32)
+        for want, shape, dt in spec
+    )
 
 
-@kernel_op("grouped_mlp_backward", fake=_backward_fake, mutates_args=("mg1", "mg2"))
+@kernel_op(
+    "grouped_mlp_backward", fake=_backward_fake, mutates_args=("mg1", "mg2"), none_outputs=True
+)
 def _backward(
     dy: torch.Tensor,  # [R, H]
     x: torch.Tensor,  # [R, H]
@@ -244,13 +250,13 @@ def _backward(
     release: bool,  # free h and the activation as soon as they are consumed
     plan_uid: int,  # the validated configuration (see _replay_key)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each a [0] tensor
-    where it is not an output (not wanted, or a weight gradient that went to main_grad)."""
+    """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each None where it is
+    not an output (not wanted, or a weight gradient that went to main_grad)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
-    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
     if x.shape[0] == 0:  # nothing to launch; main_grad stays as it is
+        spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
         return tuple(
-            torch.zeros(sh if want else (0,), dtype=dt, device=x.device) for want, sh, dt in spec
+            torch.zeros(sh, dtype=dt, device=x.device) if want else None for want, sh, dt in spec
         )
     given = (x, offsets, w1, w2, probs, b1)
     x, offsets, w1, w2, probs, b1, _ = _tma_layouts(*given, None)
@@ -258,12 +264,10 @@ def _backward(
         h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
     dy = tma_rows(dy if dy.dtype == x.dtype else dy.to(x.dtype))
     uid = plan_uid if all(p is q for p, q in zip(given, (x, offsets, w1, w2, probs, b1))) else 0
-    grads = _run_backward(
+    return _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
         (b1_dtype, b2_dtype), release, uid,
     )  # fmt: skip
-    # an output not wanted is a [0] tensor of its own (outputs may not alias each other)
-    return tuple(g if want else x.new_empty(0) for g, (want, _, _) in zip(grads, spec))
 
 
 def _recompute(x, offsets, w1, w2, probs, b1, a, act, inter):

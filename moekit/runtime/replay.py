@@ -24,17 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import itertools
+import os
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
 from triton import knobs
 
+from moekit.config import autotune_enabled
 from moekit.runtime.cache import cached
 from moekit.runtime.device import current_stream, is_tile_counter, scratch, tile_counter
 
-__all__ = ["LaunchReplay", "launch", "replayed", "tensor_key"]
+__all__ = ["LaunchReplay", "compile_ahead", "launch", "replayed", "tensor_key"]
 
 
 def _hooks_installed() -> bool:
@@ -49,8 +54,17 @@ _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar(
 )
 
 
+# Set while an op's launches are only being compiled (see compile_ahead)
+_COMPILE_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "moekit_compile_only", default=False
+)
+
+
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
     """``kernel[grid](*args, **meta)``; noted when a LaunchReplay is recording in this context."""
+    if _COMPILE_ONLY.get():
+        kernel.warmup(*args, grid=grid, **meta)
+        return
     compiled = kernel[grid](*args, **meta)
     rec = _RECORD.get()
     if rec is not None:
@@ -208,6 +222,10 @@ class LaunchReplay:
     def ready(self) -> bool:
         return self._calls is not None
 
+    @property
+    def first_call(self) -> bool:
+        return self._seen == 0 and not self.disabled
+
     def run(self, roles: Sequence[torch.Tensor | None]) -> bool:
         """Replay the recorded launches for these tensors; False if the op must launch itself."""
         calls = self._calls
@@ -286,6 +304,33 @@ class LaunchReplay:
         self.disabled = False
 
 
+@functools.cache
+def _compile_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+
+
+def compile_ahead(body: Callable[[], object]) -> None:
+    """Compile every kernel ``body`` would launch, in parallel threads, launching nothing.
+
+    A new shape's first call compiles its kernels one after another as it reaches each launch
+    (a second or more each). Run first with ``launch`` only compiling, inside Triton's
+    ``AsyncCompileMode``, the compilations overlap (ptxas runs outside the GIL), and the real
+    run that follows finds them compiled. Only for bodies whose work outside the launches is
+    allocation: the body runs twice. Not with autotuning on (the tuner must time real launches)
+    nor inside another ``AsyncCompileMode``; a failure here is left for the real run to raise.
+    """
+    if autotune_enabled():
+        return
+    token = _COMPILE_ONLY.set(True)
+    try:
+        with triton.AsyncCompileMode(_compile_pool(), ignore_errors=True):
+            body()
+    except Exception:  # the real run reports it
+        pass
+    finally:
+        _COMPILE_ONLY.reset(token)
+
+
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
     """What a launcher's non-pointer arguments may take from a tensor: part of a replay key."""
     if t is None:
@@ -300,11 +345,15 @@ def replayed(
     replayed when recorded, else run normally (and recorded on the second call of ``key``).
 
     ``key`` holds everything the launchers' non-pointer arguments depend on (see
-    :func:`tensor_key`); ``None`` (CPU, the interpreter) just runs ``body``."""
+    :func:`tensor_key`); ``None`` (CPU, the interpreter) just runs ``body``. ``body`` must do
+    nothing but allocate and launch: on the first call of a key it runs twice, first only
+    compiling its kernels (:func:`compile_ahead`)."""
     if key is None:
         body()
         return
     rep = cached(("replay", *key), LaunchReplay)
     if not rep.run(roles):
+        if rep.first_call:
+            compile_ahead(body)
         with rep.recording(roles):
             body()

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tma_ready", "tma_rows"]
+__all__ = ["tma_ready", "tma_rows", "tma_strides"]
+
+
+def tma_strides(t: torch.Tensor, unit_dim: int = -1) -> bool:
+    """The static half of :func:`tma_ready`: unit stride along ``unit_dim`` and every other
+    stride a multiple of 16 bytes (the base address is not looked at)."""
+    if t.stride(unit_dim) != 1 and t.shape[unit_dim] > 1:
+        return False
+    size = t.element_size()
+    unit = unit_dim % t.dim()
+    return all((s * size) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit)
 
 
 def tma_ready(t: torch.Tensor, unit_dim: int = -1) -> bool:
@@ -14,13 +24,7 @@ def tma_ready(t: torch.Tensor, unit_dim: int = -1) -> bool:
     bytes and a 16-byte aligned base address (which is also what Triton specialises compiled
     kernels on, so a replayed launch relies on this too).
     """
-    if t.stride(unit_dim) != 1 and t.shape[unit_dim] > 1:
-        return False
-    size = t.element_size()
-    unit = unit_dim % t.dim()
-    return t.data_ptr() % 16 == 0 and all(
-        (s * size) % 16 == 0 for d, s in enumerate(t.stride()) if d != unit
-    )
+    return t.data_ptr() % 16 == 0 and tma_strides(t, unit_dim)
 
 
 def tma_rows(t: torch.Tensor) -> torch.Tensor:

@@ -3,15 +3,17 @@ the autotuner's candidates and the autotuner.
 
 A config is chosen per static key (dtype, N, K, E, layout flags, never the ragged row count),
 so a training loop whose routing changes every step keeps one choice per layer shape. The
-default is a shape rule; with ``MOEKIT_AUTOTUNE`` on (the default) the first call of a key on
-a GPU times the candidates once, on this call's routing and on a fixed skewed one (a choice
-must serve every later routing), and keeps the default unless another candidate is clearly
-faster on both.
+default is a shape rule. With ``MOEKIT_AUTOTUNE=1`` the first call of a key on a GPU times the
+candidates once, on this call's routing and on a fixed skewed one (a choice must serve every
+later routing), and keeps the default unless another candidate is clearly faster on both; the
+choice is logged and saved on disk (:mod:`moekit.tuning.store`), so later processes reuse it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import warnings
 from collections.abc import Callable
 
@@ -22,6 +24,9 @@ import triton.testing
 from moekit.config import autotune_enabled, interpret_mode
 from moekit.runtime.cache import cache_entries, cache_get, cached
 from moekit.runtime.device import is_capturing
+from moekit.tuning import store
+
+_log = logging.getLogger("moekit.tuning")
 
 __all__ = [
     "FP32_CANDIDATES",
@@ -30,6 +35,7 @@ __all__ = [
     "RAGGED_K_DEFAULT_16",
     "RAGGED_M_CANDIDATES",
     "RAGGED_M_FINE_GRAINED",
+    "RAGGED_M_SMALL",
     "GemmConfig",
     "choose_config",
     "ragged_k_candidates",
@@ -85,6 +91,10 @@ RAGGED_M_DEFAULT = GemmConfig(
 # Where experts are small and K short, tiles are short-lived and their warps mostly wait for
 # operand tiles: the sub-tiled epilogue frees shared memory for a fourth pipeline stage.
 RAGGED_M_FINE_GRAINED = dataclasses.replace(RAGGED_M_DEFAULT, num_stages=4, epilogue_subtile=True)
+# Few rows per expert (decode steps, short prefills): the weights dominate the bytes and the
+# large tiles leave SMs idle, so narrower tiles with a deep K pipeline (more tiles, more bytes
+# in flight per SM).
+RAGGED_M_SMALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
 RAGGED_M_CANDIDATES = (
     RAGGED_M_DEFAULT,
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
@@ -96,12 +106,14 @@ RAGGED_M_CANDIDATES = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, warp_specialize=True),
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, expert_groups=True),
     RAGGED_M_FINE_GRAINED,
+    RAGGED_M_SMALL,
 )
 # fp32 operands: smaller tiles (twice the bytes per element).
 FP32_CANDIDATES = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
     GemmConfig(128, 64, 32, num_warps=4, num_stages=4),
 )
+SMALL_MAX_ROWS_PER_EXPERT = 16
 FINE_GRAINED_MAX_ROWS_PER_EXPERT = 1024
 FINE_GRAINED_MAX_K = 2048
 A_BOUNDED_MAX_ROWS_PER_EXPERT = 512
@@ -109,11 +121,19 @@ WIDE_BAND_MIN_K_N = 2048
 WIDE_BAND_GROUP_M = 16
 
 
+def _few_tiles(T: int, E: int, N: int, num_sms: int) -> bool:
+    """Whether the default's 128 x 256 tiles would leave SMs idle: at most T / 128 full m-tiles
+    plus one partial tile per expert with rows, times the n-tiles."""
+    return (T // 128 + min(E, T)) * triton.cdiv(N, 256) < num_sms
+
+
 def ragged_m_candidates(
-    dtype: torch.dtype, T: int, E: int, K: int, N: int
+    dtype: torch.dtype, T: int, E: int, K: int, N: int, num_sms: int = 132
 ) -> tuple[GemmConfig, ...]:
     """The ragged-M candidates for this static shape, its default first.
 
+    * Few rows per expert (at most 16 on average) or too few default tiles to fill the
+      ``num_sms`` SMs lead with the narrow deep-K config.
     * Fine-grained experts (≤ 1024 rows each on average) with K ≤ 2048 lead with the 4-stage
       sub-tiled config; larger experts or a longer K amortise the pipeline's fill and the
       3-stage config with a full-width epilogue does better.
@@ -127,7 +147,9 @@ def ragged_m_candidates(
     if dtype == torch.float32:
         return FP32_CANDIDATES
     cands = RAGGED_M_CANDIDATES
-    if T <= FINE_GRAINED_MAX_ROWS_PER_EXPERT * E and K <= FINE_GRAINED_MAX_K:
+    if T <= SMALL_MAX_ROWS_PER_EXPERT * E or _few_tiles(T, E, N, num_sms):
+        cands = (RAGGED_M_SMALL, *(c for c in cands if c != RAGGED_M_SMALL))
+    elif T <= FINE_GRAINED_MAX_ROWS_PER_EXPERT * E and K <= FINE_GRAINED_MAX_K:
         cands = (RAGGED_M_FINE_GRAINED, *(c for c in cands if c != RAGGED_M_FINE_GRAINED))
     elif K >= WIDE_BAND_MIN_K_N and N >= WIDE_BAND_MIN_K_N:
         cands = tuple(dataclasses.replace(c, group_m=WIDE_BAND_GROUP_M) for c in cands)
@@ -197,7 +219,26 @@ def choose_config(
     if not autotune_enabled() or is_capturing():
         found = cache_get(full_key)
         return found if found is not None else candidates[0]
-    return cached(full_key, lambda: _tune(candidates, launches(), keep_default_within))
+
+    def stored_or_tuned() -> GemmConfig:
+        fp = store.fingerprint(device)
+        stored = store.lookup(fp, repr(full_key))
+        try:
+            cfg = GemmConfig(**stored) if stored is not None else None
+        except TypeError:  # fields of another GemmConfig: tune afresh
+            cfg = None
+        if cfg in candidates:
+            return cfg
+        t0 = time.perf_counter()
+        cfg = _tune(candidates, launches(), keep_default_within)
+        _log.info(
+            "moekit: tuned %s %s in %.1f s (%d candidates): %s",
+            kind, key, time.perf_counter() - t0, len(candidates), cfg,
+        )  # fmt: skip
+        store.save(fp, repr(full_key), dataclasses.asdict(cfg))
+        return cfg
+
+    return cached(full_key, stored_or_tuned)
 
 
 def _time_candidate(cand: GemmConfig, launches: tuple[Launch, ...], is_default: bool):

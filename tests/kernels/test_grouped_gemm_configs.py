@@ -207,6 +207,27 @@ def test_ragged_m_default_by_shape(T, E, K_, N, fine, bounded, wide):
     assert tuning.ragged_m_candidates(torch.float32, T, E, K_, N) == tuning.FP32_CANDIDATES
 
 
+@pytest.mark.parametrize(
+    "T, E, N, small",
+    [
+        (2, 8, 8192, True),  # Mixtral decode step, top-2
+        (128, 64, 2048, True),  # OLMoE decode, 16 tokens: 2 rows per expert
+        (1024, 64, 2048, True),  # 16 rows per expert
+        (1040, 64, 2048, False),  # just over, and enough tiles
+        (512, 8, 2048, True),  # short prefill: 64 rows per expert, but only 96 default tiles
+        (4096, 8, 2048, False),  # 320 default tiles
+        (8192, 256, 1024, False),  # 32 rows per expert, 1280 default tiles
+    ],
+)
+def test_ragged_m_small_problems_lead_with_narrow_tiles(T, E, N, small):
+    """Few rows per expert, or too few default tiles for the SMs: the narrow deep-K config
+    leads (a decode step is weight-bandwidth bound); the candidate set stays the same."""
+    cands = tuning.ragged_m_candidates(torch.bfloat16, T, E, 1024, N, 132)
+    assert (dataclasses.replace(cands[0], a_bounded=False) == tuning.RAGGED_M_SMALL) == small
+    base = {dataclasses.replace(c, a_bounded=False, group_m=8) for c in cands}
+    assert base == set(tuning.RAGGED_M_CANDIDATES)
+
+
 def test_dynamic_schedule_counter_resets(monkeypatch):
     """Interpreter/CPU: the last program of a dynamically scheduled launch re-zeroes the shared
     counter, so consecutive launches reusing one counter (as launches on one CUDA stream do)
@@ -360,7 +381,7 @@ def test_routing_robust_tuning_times_both_routings():
         ((0.8, 0.8), "default"),
     ],
 )
-def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, expect):
+def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, tmp_path, speedups, expect):
     """``choose_config`` with one launch per routing: a candidate replaces the default only if
     it is faster by more than ``keep_default_within`` on every routing (timings faked)."""
     default = tuning.GemmConfig(128, 256, 64, flatten=True, expert_groups=True)
@@ -379,6 +400,8 @@ def test_tuner_keeps_the_default_unless_clearly_faster(monkeypatch, speedups, ex
     monkeypatch.setattr(tuning, "autotune_enabled", lambda: True)
     monkeypatch.setattr(tuning, "is_capturing", lambda: False)
     monkeypatch.setattr(tuning.triton.testing, "do_bench", fake_bench)
+    monkeypatch.setattr(tuning.store, "fingerprint", lambda device: {"gpu": "test"})
+    monkeypatch.setenv("MOEKIT_CACHE_DIR", str(tmp_path))
     got = tuning.choose_config(
         "m", ("test", speedups), torch.bfloat16, torch.device("cuda"), (default, other),
         lambda: (timed(0), timed(1)), keep_default_within=0.05,

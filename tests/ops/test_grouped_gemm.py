@@ -354,3 +354,35 @@ def test_gpu_fp32_inputs_use_tf32_kernels():
     assert _rel(out, grouped_mm_ragged_m_ref(a, w.transpose(1, 2), offsets, torch.float32)) < 5e-3
     g = grouped_mm(a.t(), out, offsets)
     assert _rel(g, grouped_mm_ragged_k_ref(a.t(), out, offsets, torch.float32)) < 5e-3
+
+
+@pytest.mark.gpu
+def test_gpu_plan_path_matches_the_checked_path():
+    """Repeated calls take the cached plan (and the replayed launch); they must give exactly
+    what the fully checked path gives (``validate=True`` skips the plan), also when a call of
+    the same static layout arrives at a misaligned address (copied, not replayed), and with
+    aligned and misaligned calls interleaved."""
+    from moekit.ops.custom_op import dispatcher_only
+
+    T, E, K, N = 1000, 8, 256, 384
+    offsets = offsets_from_counts(_skewed_counts(T, E, None), "cuda")
+    dt = torch.bfloat16
+    w = torch.randn(E, N, K, device="cuda", dtype=dt)
+    buf = torch.randn(T * K + 1, device="cuda", dtype=dt)
+    aligned, misaligned = buf[:-1].view(T, K), buf[1:].view(T, K)  # same strides
+    dy = torch.randn(T, N, device="cuda", dtype=dt)
+    for a in (aligned, misaligned, aligned, aligned, misaligned, aligned):
+        for b in (w.transpose(1, 2), w.transpose(1, 2).contiguous()):
+            ref = grouped_mm(a, b, offsets, validate=True)
+            assert torch.equal(grouped_mm(a, b, offsets), ref)
+            with dispatcher_only():
+                assert torch.equal(grouped_mm(a, b, offsets), ref)
+        ref_k = grouped_mm(dy.t(), a, offsets, validate=True)
+        assert torch.equal(grouped_mm(dy.t(), a, offsets), ref_k)
+    # a gradient wanted: the same plan, through the autograd Function
+    a = aligned.detach().requires_grad_()
+    for _ in range(3):
+        y = grouped_mm(a, w.transpose(1, 2), offsets)
+        (ga,) = torch.autograd.grad(y, a, dy)
+        assert torch.equal(y, grouped_mm(aligned, w.transpose(1, 2), offsets, validate=True))
+        assert torch.equal(ga, grouped_mm(dy, w, offsets, validate=True))
