@@ -29,7 +29,7 @@ import inspect
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 import torch
 import triton
@@ -304,18 +304,37 @@ class LaunchReplay:
         self.disabled = False
 
 
+class _CompileWithLauncher(Executor):
+    """Runs Triton's compile jobs in a thread pool, each followed by the build of the kernel's
+    C launcher (a C compiler run, otherwise done on the first launch, one after another). The
+    launcher lands in Triton's cache, where that first launch then finds it."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.pool = pool
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        def compile_and_build_launcher():
+            kernel = fn(*args, **kwargs)
+            with contextlib.suppress(Exception):  # the first launch builds (and reports) it
+                triton.runtime.driver.active.launcher_cls(kernel.src, kernel.metadata)
+            return kernel
+
+        return self.pool.submit(compile_and_build_launcher)
+
+
 @functools.cache
-def _compile_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1))
+def _compile_pool() -> Executor:
+    return _CompileWithLauncher(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)))
 
 
 def compile_ahead(body: Callable[[], object]) -> None:
     """Compile every kernel ``body`` would launch, in parallel threads, launching nothing.
 
     A new shape's first call compiles its kernels one after another as it reaches each launch
-    (a second or more each). Run first with ``launch`` only compiling, inside Triton's
-    ``AsyncCompileMode``, the compilations overlap (ptxas runs outside the GIL), and the real
-    run that follows finds them compiled. Only for bodies whose work outside the launches is
+    (a second or more each, plus a C compiler run for each kernel's launcher). Run first with
+    ``launch`` only compiling, inside Triton's ``AsyncCompileMode``, the compilations overlap
+    where they leave the GIL (ptxas, the C compiler), and the real run that follows finds them
+    compiled. Only for bodies whose work outside the launches is
     allocation: the body runs twice. Not with autotuning on (the tuner must time real launches)
     nor inside another ``AsyncCompileMode``; a failure here is left for the real run to raise.
     """

@@ -8,6 +8,7 @@ tiles are narrower than the plain grouped GEMM's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import triton
 
@@ -55,6 +56,7 @@ def fit_interleave(cfg: GemmConfig, interleave: int | None) -> GemmConfig:
     return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
 
 
+@functools.cache
 def _fit_all(cands: tuple[GemmConfig, ...], interleave: int | None) -> tuple[GemmConfig, ...]:
     return tuple(dict.fromkeys(fit_interleave(c, interleave) for c in cands))
 
@@ -69,8 +71,10 @@ def dact_candidates(interleave: int | None) -> tuple[GemmConfig, ...]:
     return _fit_all(_DACT, interleave)
 
 
+@functools.cache
 def dact_partial_rows(F: int, interleave: int | None) -> int:
     """Rows of the dprobs-partials buffer that the dact kernel needs for any config it may
-    run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included)."""
+    run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included).
+    Cached: every backward asks."""
     cands = (*dact_candidates(interleave), fit_interleave(INTERPRET_CONFIG, interleave))
     return max(triton.cdiv(F, c.block_n) for c in cands)
