@@ -38,7 +38,7 @@ from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ra
 from moekit.runtime.cache import cache_get, cached
 from moekit.runtime.device import num_sms, use_triton
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.runtime.tma import tma_ready, tma_rows, tma_strides
+from moekit.runtime.tma import aligned_copy, tma_ready, tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as tuning
 
 __all__ = [
@@ -61,7 +61,7 @@ def weight_layout(b: torch.Tensor) -> torch.Tensor:
     layouts are copied to unit stride along N (N is 16-byte aligned by validation)."""
     if tma_ready(b, 2) or tma_ready(b, 1):
         return b
-    return b.contiguous()
+    return aligned_copy(b)
 
 
 def launch_ragged_m(a, b, offsets, bias, out) -> None:

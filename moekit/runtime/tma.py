@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["tma_ready", "tma_rows", "tma_strides"]
+__all__ = ["aligned_copy", "tma_ready", "tma_rows", "tma_strides"]
 
 
 def tma_strides(t: torch.Tensor, unit_dim: int = -1) -> bool:
@@ -29,10 +29,17 @@ def tma_ready(t: torch.Tensor, unit_dim: int = -1) -> bool:
 
 def tma_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` itself if TMA can address its rows (unit stride along the last dimension), else a
-    contiguous copy. Only views TMA cannot address (e.g. ``x[:, ::2]``) are copied.
+    contiguous copy. Only what TMA cannot address (a view like ``x[:, ::2]``, a misaligned
+    base address) is copied.
 
     The ops validate that rows span a multiple of 16 bytes, so a contiguous tensor at an
     aligned address needs no closer look (the common case, checked first: it is cheap)."""
     if t.is_contiguous() and not t.data_ptr() & 15:
         return t
-    return t if tma_ready(t, -1) else t.contiguous()
+    return t if tma_ready(t, -1) else aligned_copy(t)
+
+
+def aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in fresh (hence aligned) memory. ``t.contiguous()`` is not
+    enough: it returns a contiguous ``t`` itself, even at a misaligned address."""
+    return t.clone(memory_format=torch.contiguous_format)

@@ -124,3 +124,17 @@ def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave):
     assert _rel(dh[:routed], dh_ref[:routed]) < 2e-2
     a_ref = out.detach() * probs[:, None]
     assert _rel(a_re[:routed], a_ref[:routed]) < 2e-2
+
+
+def test_tma_rows_copies_a_contiguous_tensor_at_a_misaligned_address():
+    """``contiguous()`` returns a contiguous tensor itself, whatever its address: tma_rows must
+    copy one whose base is not 16-byte aligned (TMA faults on it), and keep aligned ones."""
+    from moekit.runtime.tma import tma_rows
+
+    buf = torch.arange(8 * 16 + 1, dtype=torch.float16)
+    misaligned = buf[1:].view(8, 16)
+    assert misaligned.is_contiguous() and misaligned.data_ptr() % 16
+    copy = tma_rows(misaligned)
+    assert copy.data_ptr() % 16 == 0 and torch.equal(copy, misaligned)
+    aligned = buf[:-1].view(8, 16)
+    assert tma_rows(aligned) is aligned
