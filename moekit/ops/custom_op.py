@@ -15,6 +15,11 @@ the C++ ``Function.apply`` directly instead of its Python wrapper (which checks 
 ``setup_context``, asks whether functorch transforms are active and rebuilds the argument
 tuple). Both shortcuts skip only what plain eager mode does not need; everything else takes
 the normal path. ``dispatcher_only()`` forces the normal path, which the tests compare against.
+
+Each shortcut checks :func:`eager_shortcut` on its own arguments. An op that has checked it
+once for the whole call (all its tensors) may take the shortcuts without asking again:
+``kernel_op(...).impl`` is the implementation and ``function_apply(...).direct`` the C++
+apply.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import torch
 
 from moekit.runtime.eager import plain_eager
 
-__all__ = ["dispatcher_only", "function_apply", "kernel_op"]
+__all__ = ["dispatcher_only", "eager_shortcut", "function_apply", "kernel_op"]
 
 _force_normal_path = [False]
 
@@ -43,6 +48,12 @@ def dispatcher_only() -> Iterator[None]:
         _force_normal_path[0] = False
 
 
+def eager_shortcut(args: tuple) -> bool:
+    """Whether a call with these arguments may take the eager shortcuts (plain eager mode, and
+    not inside ``dispatcher_only()``)."""
+    return not _force_normal_path[0] and plain_eager(args)
+
+
 def kernel_op(
     name: str, *, fake: Callable, mutates_args: Sequence[str] = (), none_outputs: bool = False
 ) -> Callable[[Callable], Callable]:
@@ -50,10 +61,12 @@ def kernel_op(
     the type hints) with the fake implementation ``fake``; returns the function to call.
 
     The returned function runs ``impl`` directly in plain eager mode and the custom op
-    otherwise; ``.op`` is the custom op itself. ``none_outputs``: ``impl`` returns a tuple in
-    which outputs it did not compute may be None; the direct call passes them on as None, and
-    the custom op (whose outputs must all be tensors) returns an empty tensor in their place,
-    so callers treat an empty tensor like None."""
+    otherwise; ``.op`` is the custom op itself, ``.impl`` the implementation.
+
+    ``none_outputs``: ``impl`` returns a tuple in which outputs it did not compute may be None;
+    the direct call passes them on as None, and the custom op (whose outputs must all be
+    tensors) returns an empty tensor in their place, so callers treat an empty tensor like
+    None."""
 
     def register(impl: Callable) -> Callable:
         registered = impl
@@ -77,13 +90,15 @@ def kernel_op(
             return impl(*args)
 
         call.op = op
+        call.impl = impl
         return call
 
     return register
 
 
 def function_apply(fn: type[torch.autograd.Function]) -> Callable:
-    """``fn.apply`` with the Python wrapper skipped in plain eager mode.
+    """``fn.apply`` with the Python wrapper skipped in plain eager mode (``.direct``: the C++
+    apply itself).
 
     Only for Functions defined the classic way (``forward(ctx, ...)``, no ``setup_context``)."""
     if torch.autograd.function._is_setup_context_defined(fn.setup_context):
@@ -95,4 +110,5 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
             return fn.apply(*args)
         return c_apply(*args)
 
+    apply.direct = c_apply
     return apply

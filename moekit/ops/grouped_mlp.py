@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import eager_shortcut, function_apply, kernel_op
 from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.validation import (
@@ -42,9 +42,8 @@ from moekit.ops.validation import (
 )
 from moekit.runtime.cache import cached
 from moekit.runtime.device import use_triton
-from moekit.runtime.eager import plain_eager
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.runtime.tma import tma_rows
+from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
 from moekit.tuning import grouped_mlp as tuning
 
@@ -127,18 +126,6 @@ def _tma_layouts(x, offsets, w1, w2, probs, b1, b2) -> tuple:
     return x, offsets if offsets.is_contiguous() else offsets.contiguous(), w1, w2, probs, b1, b2
 
 
-def _replay_key(base: tuple, plan_uid: int, given: tuple, used: tuple) -> tuple | None:
-    """The replay key of a launch sequence. A validated plan fixes every input's shape,
-    stride, dtype and device, so ``(base, plan_uid)`` is the key when the kernels read the
-    inputs as given; when a layout copy was made (a strided view, a misaligned base), or
-    without a plan, the key spells out every tensor. None off CUDA (no replay)."""
-    if not used[0].is_cuda:
-        return None
-    if plan_uid and all(p is q for p, q in zip(given, used)):
-        return (*base, plan_uid)
-    return (*base, *map(tensor_key, used))
-
-
 def _released(t: torch.Tensor | None) -> bool:
     return t is not None and t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
@@ -161,8 +148,17 @@ def _forward_fake(
     return x.new_empty(R, w2.shape[1]), h, x.new_empty(R, w2.shape[2])
 
 
-@kernel_op("grouped_mlp_forward", fake=_forward_fake)
-def _forward(
+def _aligned(x, w1, w2, b1, b2) -> bool:
+    """Whether every operand the kernels read through TMA sits at a 16-byte aligned address."""
+    p = x.data_ptr() | w1.data_ptr() | w2.data_ptr()
+    if b1 is not None:
+        p |= b1.data_ptr()
+    if b2 is not None:
+        p |= b2.data_ptr()
+    return not p & 15
+
+
+def _forward_impl(
     x: torch.Tensor,  # [R, H]
     offsets: torch.Tensor,  # [E]
     w1: torch.Tensor,  # [E, W1, H]
@@ -173,22 +169,24 @@ def _forward(
     act_name: str, limit: float, alpha: float, offset: float,  # the Activation
     interleave: int,  # 0: [gate | up] halves
     store_h: bool,
-    plan_uid: int,  # the validated configuration (see _replay_key)
+    plan_uid: int,  # a validated plan whose layouts the kernels read as given (0: none)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Fused forward: (y [R, H], h [R, W1] ([0, W1] unless ``store_h``), a [R, F] = act(h) *
     probs)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
-    given = (x, offsets, w1, w2, probs, b1, b2)
-    x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(*given)
+    if plan_uid and _aligned(x, w1, w2, b1, b2):
+        key = ("mlp_fwd", plan_uid)  # the plan fixes every layout (and the activation)
+    else:
+        x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(x, offsets, w1, w2, probs, b1, b2)
+        key = None
+        if x.is_cuda:
+            key = ("mlp_fwd", act, inter, *map(tensor_key, (x, offsets, w1, w2, probs, b1, b2)))
     R, H = x.shape
     dev, dt = x.device, x.dtype
     a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
     h = torch.empty(R if store_h else 0, w1.shape[1], device=dev, dtype=dt)
     y = torch.empty(R, H, device=dev, dtype=dt)
     if R > 0:
-        key = _replay_key(
-            ("mlp_fwd", act, inter), plan_uid, given, (x, offsets, w1, w2, probs, b1, b2)
-        )
         h_or_none = h if store_h else None
 
         def body() -> None:
@@ -197,6 +195,9 @@ def _forward(
 
         replayed(key, (x, offsets, w1, w2, probs, b1, b2, a, h_or_none, y), body)
     return y, h, a
+
+
+_forward = kernel_op("grouped_mlp_forward", fake=_forward_fake)(_forward_impl)
 
 
 def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype):
@@ -224,10 +225,7 @@ def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *rest):
     )
 
 
-@kernel_op(
-    "grouped_mlp_backward", fake=_backward_fake, mutates_args=("mg1", "mg2"), none_outputs=True
-)
-def _backward(
+def _backward_impl(
     dy: torch.Tensor,  # [R, H]
     x: torch.Tensor,  # [R, H]
     offsets: torch.Tensor,  # [E]
@@ -248,7 +246,7 @@ def _backward(
     b1_dtype: torch.dtype,
     b2_dtype: torch.dtype,
     release: bool,  # free h and the activation as soon as they are consumed
-    plan_uid: int,  # the validated configuration (see _replay_key)
+    plan_uid: int,  # as in _forward_impl
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each None where it is
     not an output (not wanted, or a weight gradient that went to main_grad)."""
@@ -258,16 +256,21 @@ def _backward(
         return tuple(
             torch.zeros(sh, dtype=dt, device=x.device) if want else None for want, sh, dt in spec
         )
-    given = (x, offsets, w1, w2, probs, b1)
-    x, offsets, w1, w2, probs, b1, _ = _tma_layouts(*given, None)
+    uid = plan_uid if plan_uid and _aligned(x, w1, w2, b1, None) else 0
+    if not uid:
+        x, offsets, w1, w2, probs, b1, _ = _tma_layouts(x, offsets, w1, w2, probs, b1, None)
     if _released(h):  # a second backward through the same graph (retain_graph=True)
         h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
     dy = tma_rows(dy if dy.dtype == x.dtype else dy.to(x.dtype))
-    uid = plan_uid if all(p is q for p, q in zip(given, (x, offsets, w1, w2, probs, b1))) else 0
     return _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
         (b1_dtype, b2_dtype), release, uid,
     )  # fmt: skip
+
+
+_backward = kernel_op(
+    "grouped_mlp_backward", fake=_backward_fake, mutates_args=("mg1", "mg2"), none_outputs=True
+)(_backward_impl)
 
 
 def _recompute(x, offsets, w1, w2, probs, b1, a, act, inter):
@@ -397,11 +400,14 @@ def _run_backward(
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid
-    ):
-        y, h, a = _forward(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
+        ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid,
+        eager,  # the call checked eager_shortcut for all its tensors
+    ):  # fmt: skip
+        run = _forward.impl if eager else _forward
+        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
         ctx.act = (*act, inter)
         ctx.plan_uid = uid
+        ctx.eager = eager
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grads = (mg1, mg2)
@@ -415,15 +421,17 @@ class _GroupedMLPFn(torch.autograd.Function):
         mg1, mg2 = ctx.main_grads
         n = ctx.needs_input_grad
         needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
-        dx, dw1, dw2, dp, db1, db2 = _backward(
+        eager = eager_shortcut((grad,))
+        run = _backward.impl if eager and ctx.eager else _backward
+        dx, dw1, dw2, dp, db1, db2 = run(
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.bias_dtypes, plain_eager((grad,)), ctx.plan_uid,
+            *ctx.bias_dtypes, eager, ctx.plan_uid,
         )  # fmt: skip
         wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
         dx, dw1, dw2, dp, db1, db2 = (
             t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
         )
-        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None
+        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None
 
 
 _apply_grouped_mlp = function_apply(_GroupedMLPFn)
@@ -479,8 +487,8 @@ class _Plan:
     recompute: bool
     for_backward: bool  # grad mode on and an input requires grad: store h for backward
     unfused_reason: str | None  # why the fused kernels cannot run this ("": CPU reference)
-    # names a cached configuration for the kernel ops' launch replay (0: none, e.g. when
-    # compiling, where every call is validated afresh)
+    # names a cached configuration whose layouts the kernels read as given, for the kernel
+    # ops' launch replay (0: none, e.g. when compiling, where every call is validated afresh)
     uid: int = 0
 
 
@@ -606,6 +614,13 @@ def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleav
         return None
 
 
+def _kernel_layouts(x, offsets, w1, w2, probs, b1, b2) -> bool:
+    """Whether the kernels read these inputs as they are (at aligned addresses): rows
+    TMA-ready, offsets and probs contiguous."""
+    rows = all(tma_strides(t) for t in (x, w1, w2, b1, b2) if t is not None)
+    return rows and offsets.is_contiguous() and (probs is None or probs.is_contiguous())
+
+
 def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
     args = (x, offsets, w1, w2, probs, b1, b2, activation, interleave, recompute)
     if torch.compiler.is_compiling():
@@ -613,8 +628,14 @@ def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, r
     key = _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute)
     if key is None:
         return _make_plan(*args)
+
+    def make() -> _Plan:
+        plan = _make_plan(*args)
+        ready = _kernel_layouts(x, offsets, w1, w2, probs, b1, b2)
+        return dataclasses.replace(plan, uid=next(_plan_uids)) if ready else plan
+
     try:
-        return cached(key, lambda: dataclasses.replace(_make_plan(*args), uid=next(_plan_uids)))
+        return cached(key, make)
     except TypeError:
         try:
             hash(key)
@@ -675,9 +696,12 @@ def grouped_mlp(
     reason = plan.unfused_reason
     if reason is None:
         a = plan.act
-        return _apply_grouped_mlp(
+        # one eager check for the whole call: the Function and its kernel ops skip theirs
+        eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2))
+        apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
+        return apply(
             x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
-            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid,
+            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager,
         )  # fmt: skip
     if reason and reason not in _warned:
         _warned.add(reason)

@@ -95,6 +95,10 @@ class Dispatch:
     dropless: bool
 
 
+def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
 def _scatter_fake(
     x, row_index, offsets, tpe, slot_vals, row_weight, dot_src, R, align, tail_lo, dt
 ):
@@ -130,7 +134,13 @@ def scatter(
     )  # fmt: skip
     key = None
     if x.is_cuda:
-        key = ("permute_scatter", align, tail_lo, *map(tensor_key, roles))
+        # The other tensors are contiguous with shapes set by these (and the outputs fresh):
+        # their dtypes and presence complete the key.
+        key = (
+            "permute_scatter", align, tail_lo, num_rows, vals_dtype, tensor_key(x),
+            row_index.shape, None if offsets is None else offsets.shape,
+            _dtype(slot_vals), _dtype(row_weight), tensor_key(dot_src),
+        )  # fmt: skip
 
     def body() -> None:  # not run when the launches are replayed: config choice included
         config = copy_config("scatter", row_index.shape[1], H, dot=dot_src is not None)
@@ -168,7 +178,12 @@ def gather(
     vals = src.new_empty(0) if row_vals is None else row_vals.new_empty(T, k)
     out_vals = vals if row_vals is not None else None
     roles = (src, row_index, row_weight, row_vals, out, out_vals)
-    key = ("permute_gather", *map(tensor_key, roles)) if src.is_cuda else None
+    key = None
+    if src.is_cuda:  # as in scatter: the rest is contiguous, shaped by these
+        key = (
+            "permute_gather", tensor_key(src), row_index.shape, _dtype(row_weight),
+            _dtype(row_vals),
+        )  # fmt: skip
 
     def body() -> None:
         config = copy_config("gather", k, src.shape[1])
