@@ -314,7 +314,10 @@ class _Backward:
 
     def held_bytes(self) -> int:
         """What three segments would free early: h and the activation."""
-        return sum(t.numel() * t.element_size() for t in (self.h, self.act_out) if t is not None)
+        n = self.h.numel() * self.h.element_size()
+        if self.act_out is not None:
+            n += self.act_out.numel() * self.act_out.element_size()
+        return n
 
     def alloc_w2(self) -> None:
         x, (E, H, F_) = self.x, self.w2.shape
@@ -427,10 +430,11 @@ class _GroupedMLPFn(torch.autograd.Function):
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
             *ctx.bias_dtypes, eager, ctx.plan_uid,
         )  # fmt: skip
-        wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
-        dx, dw1, dw2, dp, db1, db2 = (
-            t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
-        )
+        if run is _backward:  # the custom op returns an empty tensor for each None
+            wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
+            dx, dw1, dw2, dp, db1, db2 = (
+                t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
+            )
         return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None
 
 

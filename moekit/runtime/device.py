@@ -70,7 +70,7 @@ def scratch(size: int, device: int, stream: int | None) -> torch.Tensor:
     an allocation per launch. Under CUDA-graph capture: a fresh block from the graph's private
     pool, so that capture works.
     """
-    if is_capturing():
+    if torch._C._cuda_isCurrentStreamCapturing():  # is_capturing(): one call less per launch
         return torch.empty(size, dtype=torch.int8, device=device)
     key = (device, stream)
     buf = _scratch_by_stream.get(key)

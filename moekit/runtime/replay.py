@@ -37,7 +37,7 @@ from triton import knobs
 
 from moekit.config import autotune_enabled
 from moekit.runtime.cache import cached
-from moekit.runtime.device import current_stream, is_tile_counter, scratch, tile_counter
+from moekit.runtime.device import is_tile_counter, scratch, tile_counter
 
 __all__ = ["LaunchReplay", "compile_ahead", "launch", "replayed", "tensor_key"]
 
@@ -234,7 +234,7 @@ class LaunchReplay:
         dev = self._device
         if _hooks_installed() or torch._C._cuda_getDevice() != dev:
             return False
-        stream = current_stream(dev)
+        stream = torch._C._cuda_getCurrentRawStream(dev)  # current_stream(), one call less
         # One scratch block serves every launch: they run in order on this stream. (Held until
         # they are issued: under capture it is a fresh block that must not be handed out again.)
         scratch_buf = scratch(self._scratch, dev, stream) if self._scratch else None
