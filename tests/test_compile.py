@@ -21,6 +21,7 @@ from moekit.ops import (
     permute,
     rmsnorm,
     sort_chunks_by_index,
+    topk_routing,
     unpermute,
 )
 
@@ -58,6 +59,10 @@ def _setups(device: str, dtype: torch.dtype):
         "permute_unpermute": (moe, (hid, tprobs)),
         "sort_chunks_by_index": (lambda h: sort_chunks_by_index(h, sizes, order)[0], (hid,)),
         "rmsnorm": (lambda h, w: rmsnorm(h, w), (hid, nw)),
+        "topk_routing": (
+            lambda lg: topk_routing(lg, 2, num_groups=2, topk_groups=1)[0],
+            (p(T, 8),),
+        ),
         "add_rmsnorm": (lambda h, r, w: torch.cat(add_rmsnorm(h, r, w)), (hid, hid * 1, nw)),
     }
 

@@ -12,6 +12,7 @@ from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
+from moekit.ops.router import topk_routing
 
 __all__ = [
     "Dispatch",
@@ -27,5 +28,6 @@ __all__ = [
     "rmsnorm",
     "set_auto_thresholds",
     "sort_chunks_by_index",
+    "topk_routing",
     "unpermute",
 ]

@@ -1,8 +1,8 @@
 """The benchmarks that have a --smoke mode run end to end on tiny shapes and write their outputs.
 
-Each runs in its own process, as a user runs it. The grouped-MLP one runs the PyTorch reference
-(its kernels in Triton's interpreter would take minutes); the permute one runs its kernels in the
-interpreter, which its routing-metadata row needs off CUDA.
+Each runs in its own process, as a user runs it. The grouped-MLP and small-shape ones run the
+PyTorch reference (their kernels in Triton's interpreter would take minutes); the permute one
+runs its kernels in the interpreter, which its routing-metadata row needs off CUDA.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
     [
         ("benchmark_grouped_mlp.py", "grouped_mlp", False),
         ("benchmark_permute.py", "permute_bench", True),
+        ("benchmark_small_shapes.py", "small_shapes", False),
     ],
 )
 def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):
