@@ -3,6 +3,14 @@
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.rmsnorm import RMSNorm
+from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
 
-__all__ = ["GroupedLinear", "GroupedMLP", "RMSNorm", "RowParallelLinear"]
+__all__ = [
+    "GroupedLinear",
+    "GroupedMLP",
+    "RMSNorm",
+    "RouterOutput",
+    "RowParallelLinear",
+    "TopKRouter",
+]

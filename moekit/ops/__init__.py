@@ -13,6 +13,7 @@ from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 from moekit.ops.router import topk_routing
+from moekit.ops.router_losses import load_balancing_loss, router_z_loss
 
 __all__ = [
     "Dispatch",
@@ -24,8 +25,10 @@ __all__ = [
     "grouped_linear",
     "grouped_mlp",
     "grouped_mm",
+    "load_balancing_loss",
     "permute",
     "rmsnorm",
+    "router_z_loss",
     "set_auto_thresholds",
     "sort_chunks_by_index",
     "topk_routing",

@@ -1,0 +1,112 @@
+"""``TopKRouter``: the router of an MoE layer (logits GEMM + fused top-k + its losses)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.ops.router import route
+from moekit.ops.router_losses import load_balancing_loss, router_z_loss
+
+__all__ = ["RouterOutput", "TopKRouter"]
+
+
+@dataclasses.dataclass
+class RouterOutput:
+    probs: torch.Tensor  # [T, k] float32
+    indices: torch.Tensor  # [T, k] int32
+    counts: torch.Tensor  # [E] int32 tokens routed to each expert
+    aux_loss: torch.Tensor | None  # scalar, already times aux_loss_coeff (None when off)
+    z_loss: torch.Tensor | None  # scalar, already times z_loss_coeff (None when off)
+
+
+class TopKRouter(nn.Module):
+    """``weight [E, H]``; ``forward(x [T, H])`` → :class:`RouterOutput`.
+
+    The logits ``x @ weight^T`` go through :func:`moekit.ops.topk_routing` (see it for
+    ``score``, ``num_groups``, ``topk_groups``, ``normalize``, ``scaling``). With
+    ``expert_bias=True`` an fp32 buffer ``expert_bias [E]`` steers selection only and
+    :meth:`update_expert_bias` adjusts it (aux-loss-free balancing). The load-balancing loss
+    (``aux_loss_coeff``) is computed on the normalised scores of all experts, the z-loss
+    (``z_loss_coeff``) on the logits; both are returned, scaled, for the layer to apply.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_experts: int,
+        k: int,
+        *,
+        score: str = "softmax",
+        num_groups: int | None = None,
+        topk_groups: int | None = None,
+        normalize: bool = True,
+        scaling: float = 1.0,
+        expert_bias: bool = False,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, v in (("hidden_size", hidden_size), ("num_experts", num_experts), ("k", k)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if k > num_experts:
+            raise ValueError(f"k must be at most num_experts = {num_experts}, got {k}")
+        for name, v in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
+            if not isinstance(v, (int, float)) or v < 0:
+                raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+        self.num_experts, self.k = num_experts, k
+        self.route_kwargs = dict(
+            score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
+            scaling=scaling,
+        )  # fmt: skip
+        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        self.weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
+        )
+        nn.init.normal_(self.weight, std=hidden_size**-0.5)
+        if expert_bias:
+            self.register_buffer(
+                "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+            )
+        else:
+            self.expert_bias = None
+        # the op's own checks (k, score, groups, ...) at construction, on one CPU token
+        route(torch.zeros(1, num_experts), k, **self.route_kwargs)
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        """x [T, H] → the routing of its T tokens."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
+            raise ValueError(
+                f"x must be a [T, hidden_size = {self.weight.shape[1]}] tensor, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        logits = F.linear(x, self.weight)
+        probs, indices, counts = route(
+            logits, self.k, expert_bias=self.expert_bias, **self.route_kwargs
+        )
+        aux = z = None
+        if self.aux_loss_coeff > 0:
+            s = logits.float()
+            s = s.softmax(-1) if self.route_kwargs["score"] == "softmax" else s.sigmoid()
+            s = s / s.sum(-1, keepdim=True).clamp_min(1e-20)
+            aux = self.aux_loss_coeff * load_balancing_loss(s, indices)
+        if self.z_loss_coeff > 0:
+            z = self.z_loss_coeff * router_z_loss(logits)
+        return RouterOutput(probs, indices, counts, aux, z)
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float = 1e-3) -> None:
+        """Aux-loss-free balancing: raise the bias of experts that got fewer tokens than the
+        mean of ``counts [E]`` and lower it for those that got more, by ``rate`` each."""
+        if self.expert_bias is None:
+            raise RuntimeError("update_expert_bias needs TopKRouter(..., expert_bias=True)")
+        c = counts.to(self.expert_bias.device, torch.float32)
+        if c.shape != self.expert_bias.shape:
+            raise ValueError(f"counts must have shape ({self.num_experts},), got {tuple(c.shape)}")
+        self.expert_bias += rate * torch.sign(c.mean() - c)
