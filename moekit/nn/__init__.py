@@ -2,6 +2,7 @@
 
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.nn.moe import MoELayer, SharedExpert
 from moekit.nn.rmsnorm import RMSNorm
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
@@ -9,8 +10,10 @@ from moekit.nn.row_parallel_linear import RowParallelLinear
 __all__ = [
     "GroupedLinear",
     "GroupedMLP",
+    "MoELayer",
     "RMSNorm",
     "RouterOutput",
     "RowParallelLinear",
+    "SharedExpert",
     "TopKRouter",
 ]

@@ -1,0 +1,115 @@
+"""``MoELayer``: a Mixture-of-Experts FFN block built from moekit's ops.
+
+router (logits GEMM + fused top-k) → permute → fused grouped expert MLP (probs applied inside
+the activation) → unpermute (+ an optional dense shared expert), with the router's losses
+attached to the output so that they train the router without the caller adding them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moekit.activations import apply_activation, resolve_activation
+from moekit.nn.grouped_mlp import GroupedMLP
+from moekit.nn.router import TopKRouter
+from moekit.ops.permute import permute, unpermute
+from moekit.ops.router_losses import attach_loss
+
+__all__ = ["MoELayer", "SharedExpert"]
+
+
+class SharedExpert(nn.Module):
+    """A dense expert every token goes through: ``fc2(act(fc1(x)))`` with the layer's
+    activation (``fc1 [2F or F, H]``, ``fc2 [H, F]``, nn.Linear layout)."""
+
+    def __init__(self, hidden_size, ffn_hidden_size, activation, device=None, dtype=None):
+        super().__init__()
+        self.activation = resolve_activation(activation)
+        rows = 2 * ffn_hidden_size if self.activation.gated else ffn_hidden_size
+        self.fc1 = nn.Linear(hidden_size, rows, bias=False, device=device, dtype=dtype)
+        self.fc2 = nn.Linear(ffn_hidden_size, hidden_size, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(apply_activation(self.fc1(x), self.activation, None))
+
+
+class MoELayer(nn.Module):
+    """Top-k routed experts over the tokens of ``x [..., H]``; returns the same shape.
+
+    Args:
+        hidden_size, ffn_hidden_size: H and each expert's width F.
+        num_experts, k: E experts, k per token.
+        activation: the experts' activation (``moekit.nn.GroupedMLP``).
+        score, num_groups, topk_groups, normalize, scaling, expert_bias, aux_loss_coeff,
+            z_loss_coeff: the router's (``moekit.nn.TopKRouter``).
+        shared_ffn_hidden_size: width of a dense shared expert added to every token's output
+            (0: none).
+        capacity_factor: keep at most ``ceil(cf·T·k/E)`` tokens per expert, dropping the
+            lowest probs (``moekit.ops.permute``); None: dropless.
+        align: pad each expert's rows to a multiple of this (None: packed).
+
+    After a forward, ``last_counts [E]`` holds the tokens routed to each expert (on the
+    device), e.g. for ``router.update_expert_bias(layer.last_counts)``.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_experts: int,
+        k: int,
+        *,
+        activation: str = "swiglu",
+        score: str = "softmax",
+        num_groups: int | None = None,
+        topk_groups: int | None = None,
+        normalize: bool = True,
+        scaling: float = 1.0,
+        expert_bias: bool = False,
+        aux_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        shared_ffn_hidden_size: int = 0,
+        capacity_factor: float | None = None,
+        align: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.router = TopKRouter(
+            hidden_size, num_experts, k, score=score, num_groups=num_groups,
+            topk_groups=topk_groups, normalize=normalize, scaling=scaling,
+            expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
+            **kw,
+        )  # fmt: skip
+        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, activation, **kw)
+        self.shared = None
+        if shared_ffn_hidden_size:
+            self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, activation, **kw)
+        self.num_experts, self.k = num_experts, k
+        self.capacity_factor, self.align = capacity_factor, align
+        self.last_counts: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        H = self.router.weight.shape[1]
+        if not isinstance(x, torch.Tensor) or x.shape[-1] != H:
+            raise ValueError(
+                f"x must be a [..., hidden_size = {H}] tensor, got "
+                f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+            )
+        tokens = x.reshape(-1, H)
+        r = self.router(tokens)
+        self.last_counts = r.counts
+        d = permute(
+            tokens, r.indices, r.probs, num_experts=self.num_experts, align=self.align,
+            capacity_factor=self.capacity_factor,
+        )  # fmt: skip
+        rows = self.experts(d.hidden, d.offsets, d.probs.to(d.hidden.dtype))
+        y = unpermute(rows, d, weighted=False)  # the probs were applied in the experts
+        if self.shared is not None:
+            y = y + self.shared(tokens)
+        losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
+        if losses:
+            y = attach_loss(y, sum(losses))
+        return y.view(x.shape)
