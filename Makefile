@@ -8,12 +8,12 @@ PY := .venv/bin/python
 	python3 -m venv --system-site-packages .venv
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test,bench,examples]"
 	touch $@
 
 .PHONY: run test lint
 run: .venv/.ready
-	$(PY) examples/quickstart.py
+	$(PY) examples/train_moe.py
 
 # Kernels run in Triton's interpreter on CPU; GPU tests (`-m gpu`) skip without CUDA.
 test: .venv/.ready
