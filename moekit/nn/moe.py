@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from moekit.activations import apply_activation, resolve_activation
+from moekit.nn.expert_parallel import ExpertExchange
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import TopKRouter
 from moekit.ops.permute import permute, unpermute
@@ -48,6 +49,11 @@ class MoELayer(nn.Module):
         capacity_factor: keep at most ``ceil(cf·T·k/E)`` tokens per expert, dropping the
             lowest probs (``moekit.ops.permute``); None: dropless.
         align: pad each expert's rows to a multiple of this (None: packed).
+        ep_group: expert parallelism over this ``torch.distributed`` group of W ranks: rank r
+            holds experts ``[r·E/W, (r+1)·E/W)`` (E must divide by W) and its tokens travel to
+            their experts' ranks by all-to-all (one host sync per call for the split sizes).
+            The router is replicated: keep its weights equal across ranks. Dropless and packed
+            only (no ``capacity_factor`` or ``align``) for now.
 
     After a forward, ``last_counts [E]`` holds the tokens routed to each expert (on the
     device), e.g. for ``router.update_expert_bias(layer.last_counts)``.
@@ -72,6 +78,7 @@ class MoELayer(nn.Module):
         shared_ffn_hidden_size: int = 0,
         capacity_factor: float | None = None,
         align: int | None = None,
+        ep_group: object | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -83,7 +90,18 @@ class MoELayer(nn.Module):
             expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
             **kw,
         )  # fmt: skip
-        self.experts = GroupedMLP(num_experts, hidden_size, ffn_hidden_size, activation, **kw)
+        local = num_experts
+        if ep_group is not None:
+            W = ep_group.size()
+            if num_experts % W:
+                raise ValueError(
+                    f"num_experts = {num_experts} must be divisible by the ep_group size {W}"
+                )
+            if capacity_factor is not None or align is not None:
+                raise ValueError("capacity_factor and align are not supported with ep_group yet")
+            local = num_experts // W
+        self.ep_group = ep_group
+        self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, **kw)
         self.shared = None
         if shared_ffn_hidden_size:
             self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, activation, **kw)
@@ -105,7 +123,12 @@ class MoELayer(nn.Module):
             tokens, r.indices, r.probs, num_experts=self.num_experts, align=self.align,
             capacity_factor=self.capacity_factor,
         )  # fmt: skip
-        rows = self.experts(d.hidden, d.offsets, d.probs.to(d.hidden.dtype))
+        if self.ep_group is None:
+            rows = self.experts(d.hidden, d.offsets, d.probs.to(d.hidden.dtype))
+        else:
+            ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
+            local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
+            rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
         y = unpermute(rows, d, weighted=False)  # the probs were applied in the experts
         if self.shared is not None:
             y = y + self.shared(tokens)
