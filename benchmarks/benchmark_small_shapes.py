@@ -35,11 +35,11 @@ import sys
 import tempfile
 
 import torch
-import torch.nn.functional as F
 from common import (
     AutogradFloor,
     bench_ms,
     error_line,
+    graph_us,
     host_ms,
     host_us_per_call,
     pyplot,
@@ -47,6 +47,8 @@ from common import (
     sleep_cycles_per_ms,
     write_json,
 )
+from torch_moe import torch_grouped_swiglu as torch_mlp
+from torch_moe import torch_moe_block as torch_block
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
@@ -100,28 +102,6 @@ def make_case(tokens, k, E, H, Fd, device, dtype, seed):
     }  # fmt: skip
 
 
-def torch_mlp(x, offsets, w1, w2, probs):
-    """The torch-native expert MLP: torch._grouped_mm fc1, SwiGLU scaled by probs, fc2."""
-    h = torch._grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
-    gate, up = h.chunk(2, dim=-1)
-    a = (F.silu(gate.float()) * up.float() * probs[:, None]).to(x.dtype)
-    return torch._grouped_mm(a, w2.transpose(-2, -1), offs=offsets)
-
-
-def torch_block(x, idx, probs, w1, w2, E):
-    """The torch-native MoE block: argsort permute, torch_mlp, index_add_ combine."""
-    k = idx.shape[1]
-    flat = idx.flatten()
-    order = torch.argsort(flat, stable=True)
-    # counts without a host sync (torch.bincount reads the largest index back to the host)
-    counts = torch.zeros(E, dtype=torch.int32, device=x.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
-    token = order // k
-    y = torch_mlp(x.index_select(0, token), offsets, w1, w2, probs.flatten()[order])
-    return torch.zeros_like(x).index_add_(0, token, y)
-
-
 def moekit_block(x, idx, probs, w1, w2, E):
     d = permute(x, indices=idx, probs=probs, num_experts=E)
     y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs)
@@ -169,23 +149,6 @@ def make_steps(case, which: str) -> dict:
         return lambda: torch.autograd.grad(f(xg, idx, pg, w1g, w2g, E), ins, dy)
 
     return {"moekit": block(moekit_block), "torch": block(torch_block)}
-
-
-def graph_us(fn, calls: int = GRAPH_CALLS) -> float:
-    """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return bench_ms(graph.replay, warmup=10, rep=50) * 1e3 / calls
 
 
 def measure(steps: dict, cuda: bool, cycles_per_ms, host_calls: int, per_batch: int) -> dict:

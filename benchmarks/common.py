@@ -105,6 +105,23 @@ def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, calls: int = 20) -> float:
+    """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return bench_ms(graph.replay, warmup=10, rep=50) * 1e3 / calls
+
+
 def interleaved_rounds(
     fns: dict[str, Callable],
     rounds: int,

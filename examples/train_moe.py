@@ -4,6 +4,7 @@
     python examples/train_moe.py --config small       # larger sizes (GPU)
     python examples/train_moe.py --resume             # continue the run folder's checkpoint
     python examples/train_moe.py --baseline torch     # same model, torch-native MoE layers
+    torchrun --nproc_per_node=2 examples/train_moe.py --ep 2   # experts split over 2 GPUs
 
 The corpus is the Python standard library's own source files, read bytewise (vocabulary 256),
 so nothing is downloaded. Each block is RMSNorm → causal self-attention
@@ -12,6 +13,11 @@ output head is tied to the token embedding. A progress bar shows the loss and to
 end the script prints the validation loss and writes ``losses.json``, ``loss_curve.png`` and
 ``checkpoint.pt`` under ``--out`` (default ``runs/<config>-<baseline>``). CPU tensors run
 moekit's PyTorch reference path; on a GPU the Triton kernels run (bf16).
+
+With ``--ep N`` (under torchrun, N processes) the experts of every MoE layer are split over the
+N ranks (``MoELayer(ep_group=...)``) and each rank takes 1/N of every batch; the other weights
+are replicated and their gradients averaged, so the run follows the single-process one from
+the same seed. Each rank writes its own ``checkpoint-rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ import sysconfig
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
+from benchmarks.torch_moe import torch_moe, with_loss
 from moekit.nn import MoELayer, RMSNorm
 
 
@@ -49,10 +57,12 @@ class Config:
     corpus_mb: float
 
 
+LOG_EVERY = 10  # steps between loss read-backs (each one waits for the GPU)
+
 CONFIGS = {
     "tiny": Config(64, 2, 4, 4, 2, 64, 64, 16, 1200, 3e-3, 2.0),
     "small": Config(256, 4, 8, 16, 2, 256, 256, 32, 1000, 1e-3, 16.0),
-    "mid": Config(512, 8, 8, 32, 4, 512, 512, 32, 2000, 6e-4, 64.0),
+    "mid": Config(512, 8, 8, 32, 4, 512, 512, 64, 2000, 6e-4, 64.0),
 }
 
 
@@ -92,37 +102,19 @@ def batch(data: torch.Tensor, cfg: Config, gen: torch.Generator, device) -> tupl
 
 
 class TorchMoE(MoELayer):
-    """The same layer and parameters, run with torch-native ops: linear router + softmax top-k,
-    argsort permute, per-expert SwiGLU (``torch._grouped_mm`` on a GPU), index_add_ combine."""
+    """The same layer and parameters, run by the torch-native MoE of
+    ``benchmarks/torch_moe.py``: linear router + softmax top-k, argsort permute,
+    ``torch._grouped_mm`` SwiGLU experts (a per-expert loop on CPU), index_add_ combine, and
+    the same load-balancing loss."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        H = x.shape[-1]
-        tokens = x.reshape(-1, H)
-        logits = F.linear(tokens, self.router.weight).float()
-        probs, idx = logits.softmax(-1).topk(self.k, dim=-1)
-        probs = probs / probs.sum(-1, keepdim=True)
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        offsets = counts.cumsum(0, dtype=torch.int32)
-        rows = tokens.index_select(0, order // self.k)
-        w1, w2 = self.experts.fc1_weight, self.experts.fc2_weight
-        if x.is_cuda:
-            h = torch._grouped_mm(rows, w1.transpose(-2, -1), offs=offsets)
-        else:
-            ends = offsets.tolist()
-            h = torch.cat([rows[a:b] @ w1[e].t() for e, (a, b) in enumerate(zip([0, *ends], ends))])
-        gate, up = h.chunk(2, dim=-1)
-        a = (F.silu(gate.float()) * up.float() * probs.flatten()[order][:, None]).to(x.dtype)
-        if x.is_cuda:
-            out_rows = torch._grouped_mm(a, w2.transpose(-2, -1), offs=offsets)
-        else:
-            out_rows = torch.cat(
-                [a[s:e] @ w2[i].t() for i, (s, e) in enumerate(zip([0, *ends], ends))]
-            )
-        y = torch.zeros_like(tokens).index_add_(0, order // self.k, out_rows.to(x.dtype))
-        return y.view(x.shape)
+        tokens = x.reshape(-1, x.shape[-1])
+        r = self.router
+        y, aux = torch_moe(
+            tokens, r.weight, self.experts.fc1_weight, self.experts.fc2_weight, self.k,
+            aux_loss_coeff=r.aux_loss_coeff, expert_bias=r.expert_bias, **r.route_kwargs,
+        )  # fmt: skip
+        return with_loss(y, aux).view(x.shape)
 
 
 class Block(nn.Module):
@@ -165,16 +157,94 @@ class MoELM(nn.Module):
 # ------------------------------------------------------------------------------------------------
 
 
-def evaluate(model, data, cfg, device, dtype, batches: int = 8) -> float:
+def evaluate(model, data, cfg, device, ep, batches: int = 8) -> float:
     gen = torch.Generator().manual_seed(1234)
     model.eval()
     total = 0.0
     with torch.no_grad():
         for _ in range(batches):
-            x, y = batch(data, cfg, gen, device)
-            total += float(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten()))
+            x, y = ep.shard(*batch(data, cfg, gen, device))
+            total += float(ep.mean(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
     model.train()
     return total / batches
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert parallelism (--ep N under torchrun)
+# ------------------------------------------------------------------------------------------------
+
+EXPERT_WEIGHTS = ("experts.fc1_weight", "experts.fc2_weight")
+
+
+class ExpertParallel:
+    """The ranks of an --ep run (a single process is the group of one): batch shards, the
+    model with each rank's share of the experts, gradient averaging and global clipping."""
+
+    def __init__(self, size: int, device: str) -> None:
+        self.size, self.rank, self.group = size, 0, None
+        if size > 1:
+            if int(os.environ.get("WORLD_SIZE", "1")) != size:
+                raise SystemExit(f"--ep {size} needs torchrun --nproc_per_node={size}")
+            if device == "cuda":
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group("nccl" if device == "cuda" else "gloo")
+            self.rank, self.group = dist.get_rank(), dist.group.WORLD
+
+    def build(self, cfg: Config, moe_cls: type[MoELayer], device, dtype) -> nn.Module:
+        """The single-process model (same seed, same weights), with this rank's experts."""
+        model = MoELM(cfg, moe_cls).to(device, dtype)
+        if self.size == 1:
+            return model
+        group = self.group
+
+        class RankMoE(moe_cls):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, ep_group=group, **kwargs)
+
+        state = model.state_dict()
+        n = cfg.num_experts // self.size
+        for name in state:
+            if name.endswith(EXPERT_WEIGHTS):
+                state[name] = state[name][self.rank * n : (self.rank + 1) * n].clone()
+        ep_model = MoELM(cfg, RankMoE).to(device, dtype)
+        ep_model.load_state_dict(state)
+        return ep_model
+
+    def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
+        n = x.shape[0] // self.size
+        return x[self.rank * n : (self.rank + 1) * n], y[self.rank * n : (self.rank + 1) * n]
+
+    def mean(self, t: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            t = t.detach().clone()
+            dist.all_reduce(t)
+            t /= self.size
+        return t
+
+    def sync_and_clip(self, model: nn.Module, max_norm: float) -> None:
+        """Average the replicated weights' gradients; the experts' gradients already hold every
+        rank's tokens (each rank's loss is a mean over its shard, hence / N). Then clip by the
+        global norm."""
+        if self.size == 1:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            return
+        local_sq = torch.zeros((), device=next(model.parameters()).device)
+        shared_sq = torch.zeros_like(local_sq)
+        for name, p in model.named_parameters():
+            if p.grad is None:
+                continue
+            if name.endswith(EXPERT_WEIGHTS):
+                p.grad /= self.size
+                local_sq += p.grad.float().square().sum()
+            else:
+                dist.all_reduce(p.grad)
+                p.grad /= self.size
+                shared_sq += p.grad.float().square().sum()
+        dist.all_reduce(local_sq)
+        scale = (max_norm / ((local_sq + shared_sq).sqrt() + 1e-6)).clamp(max=1.0)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
 
 
 def save_curve(losses: list[float], path: str, title: str) -> None:
@@ -208,23 +278,38 @@ def main(argv: list[str] | None = None) -> dict:
         help="stop (and save) after this many steps of the schedule, e.g. to --resume later",
     )  # fmt: skip
     p.add_argument("--no-progress", action="store_true", help="plain log lines, no bar")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default: config)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (under torchrun)")
+    p.add_argument(
+        "--dtype", choices=("bfloat16", "float32"), default=None,
+        help="parameter and activation dtype (default: bfloat16 on a GPU, float32 on CPU)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     cfg = CONFIGS[args.config]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
+    if args.batch is not None:
+        cfg = dataclasses.replace(cfg, batch=args.batch)
     out = args.out or os.path.join("runs", f"{args.config}-{args.baseline}")
     os.makedirs(out, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if args.dtype is not None:
+        dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     data = load_corpus(cfg.corpus_mb)
     split = int(data.numel() * 0.95)
     train, val = data[:split], data[split:]
-    model = MoELM(cfg, MoELayer if args.baseline == "moekit" else TorchMoE).to(device, dtype)
+    ep = ExpertParallel(args.ep, device)
+    if args.ep > 1 and args.baseline != "moekit":
+        raise SystemExit("--ep runs the moekit layers only")
+    model = ep.build(cfg, MoELayer if args.baseline == "moekit" else TorchMoE, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, eps=1e-6)
     gen = torch.Generator().manual_seed(args.seed)
     losses: list[float] = []
-    ckpt_path = os.path.join(out, "checkpoint.pt")
+    ckpt_path = os.path.join(
+        out, "checkpoint.pt" if ep.size == 1 else f"checkpoint-rank{ep.rank}.pt"
+    )
     if args.resume:
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
         model.load_state_dict(ckpt["model"])
@@ -246,30 +331,43 @@ def main(argv: list[str] | None = None) -> dict:
     end = cfg.steps if args.stop_after is None else min(cfg.steps, args.stop_after)
     steps = range(start, end)
     bar = (
-        tqdm(steps, desc=f"{args.config}/{args.baseline}", disable=args.no_progress)
+        tqdm(steps, desc=f"{args.config}/{args.baseline}", disable=args.no_progress or ep.rank > 0)
         if tqdm
         else steps
     )
     tokens_per_step = cfg.batch * cfg.seq
+    pending: list[torch.Tensor] = []  # losses still on the device: read every LOG_EVERY steps
     t0 = time.perf_counter()
+    steady = None  # (steps, time) at the first read-back: tokens/s after the first steps
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step)
-        x, y = batch(train, cfg, gen, device)
+        x, y = ep.shard(*batch(train, cfg, gen, device))
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ep.sync_and_clip(model, 1.0)
         opt.step()
-        losses.append(loss.detach().item())
-        rate = (step - start + 1) * tokens_per_step / (time.perf_counter() - t0)
+        pending.append(ep.mean(loss).detach())
+        if len(pending) < LOG_EVERY and step + 1 < end:
+            continue
+        losses.extend(torch.stack(pending).float().tolist())  # the one host sync per window
+        pending.clear()
+        now = time.perf_counter()
+        steady = steady or (step + 1 - start, now)
+        rate = (step - start + 1) * tokens_per_step / (now - t0)
         if tqdm is not None and not args.no_progress:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-        elif (step + 1) % 100 == 0 or step + 1 == end:
+        elif ep.rank == 0 and ((step + 1) % 100 < LOG_EVERY or step + 1 == end):
             print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}  {rate:,.0f} tok/s")
     elapsed = time.perf_counter() - t0
     tok_s = (end - start) * tokens_per_step / max(elapsed, 1e-9)
-    val_loss = evaluate(model, val, cfg, device, dtype)
+    tok_s_steady = tok_s
+    if steady is not None and end - start > steady[0]:
+        tok_s_steady = (
+            (end - start - steady[0]) * tokens_per_step / (time.perf_counter() - steady[1])
+        )
+    val_loss = evaluate(model, val, cfg, device, ep)
     torch.save(
         {"model": model.state_dict(), "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
          "losses": losses, "config": dataclasses.asdict(cfg)},
@@ -277,15 +375,22 @@ def main(argv: list[str] | None = None) -> dict:
     )  # fmt: skip
     result = {
         "config": args.config, "baseline": args.baseline, "device": device, "steps": cfg.steps,
+        "dtype": str(dtype).removeprefix("torch."), "ep": ep.size,
         "losses": losses, "val_loss": val_loss, "tokens_per_s": tok_s,
+        "tokens_per_s_after_first_steps": tok_s_steady, "batch": cfg.batch,
     }  # fmt: skip
-    with open(os.path.join(out, "losses.json"), "w") as f:
-        json.dump(result, f)
-    save_curve(losses, os.path.join(out, "loss_curve.png"), f"{args.config} / {args.baseline}")
-    print(
-        f"done: {len(losses)}/{cfg.steps} steps, train loss {losses[-1]:.4f}, validation loss "
-        f"{val_loss:.4f} nats/byte, {tok_s:,.0f} tokens/s ({device}); run folder {out}"
-    )
+    if ep.rank == 0:
+        with open(os.path.join(out, "losses.json"), "w") as f:
+            json.dump(result, f)
+        title = f"{args.config} / {args.baseline}" + (f" / ep{ep.size}" if ep.size > 1 else "")
+        save_curve(losses, os.path.join(out, "loss_curve.png"), title)
+        print(
+            f"done: {len(losses)}/{cfg.steps} steps, train loss {losses[-1]:.4f}, validation "
+            f"loss {val_loss:.4f} nats/byte, {tok_s:,.0f} tokens/s ({device}"
+            f"{f', {ep.size} ranks' if ep.size > 1 else ''}); run folder {out}"
+        )
+    if ep.size > 1:
+        dist.destroy_process_group()
     return result
 
 

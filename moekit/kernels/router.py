@@ -92,13 +92,17 @@ def _topk_routing_fwd_kernel(
     kcols = tl.arange(0, BLOCK_K)
     pk = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
     ik = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+    taken = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.int32)
     for j in tl.static_range(K):
         best = tl.argmax(sel, axis=1)
         hit = cols[None, :] == best[:, None]
         pk = tl.where(kcols[None, :] == j, tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], pk)
         ik = tl.where(kcols[None, :] == j, best[:, None], ik)
         sel = tl.where(hit, float("-inf"), sel)
-        tl.atomic_add(counts_ptr + best, tl.full([BLOCK_T], 1, tl.int32), mask=rmask)
+        taken += hit.to(tl.int32)
+    # one atomic per expert and program: per-token atomics on E addresses serialise
+    per_expert = tl.sum(tl.where(rmask[:, None], taken, 0), axis=0)
+    tl.atomic_add(counts_ptr + cols, per_expert, mask=cmask & (per_expert > 0))
     if NORMALIZE:
         pk = pk / (tl.sum(pk, axis=1) + EPS)[:, None]
     pk = pk * scaling

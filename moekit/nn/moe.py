@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from moekit.activations import apply_activation, resolve_activation
-from moekit.nn.expert_parallel import ExpertExchange
+from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_same_tokens
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import TopKRouter
 from moekit.ops.permute import permute, unpermute
@@ -51,9 +51,11 @@ class MoELayer(nn.Module):
         align: pad each expert's rows to a multiple of this (None: packed).
         ep_group: expert parallelism over this ``torch.distributed`` group of W ranks: rank r
             holds experts ``[r·E/W, (r+1)·E/W)`` (E must divide by W) and its tokens travel to
-            their experts' ranks by all-to-all (one host sync per call for the split sizes).
-            The router is replicated: keep its weights equal across ranks. Dropless and packed
-            only (no ``capacity_factor`` or ``align``) for now.
+            their experts' ranks by all-to-all. Dropless, this takes one host sync per call
+            (the split sizes); with ``capacity_factor`` every size is static: no host sync,
+            CUDA-graph capturable, and every rank must pass the same number of tokens
+            (checked once per token count). The router is replicated: keep its weights equal
+            across ranks. No ``align`` with ``ep_group`` for now.
 
     After a forward, ``last_counts [E]`` holds the tokens routed to each expert (on the
     device), e.g. for ``router.update_expert_bias(layer.last_counts)``.
@@ -97,8 +99,8 @@ class MoELayer(nn.Module):
                 raise ValueError(
                     f"num_experts = {num_experts} must be divisible by the ep_group size {W}"
                 )
-            if capacity_factor is not None or align is not None:
-                raise ValueError("capacity_factor and align are not supported with ep_group yet")
+            if align is not None:
+                raise ValueError("align is not supported with ep_group yet")
             local = num_experts // W
         self.ep_group = ep_group
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, **kw)
@@ -108,6 +110,7 @@ class MoELayer(nn.Module):
         self.num_experts, self.k = num_experts, k
         self.capacity_factor, self.align = capacity_factor, align
         self.last_counts: torch.Tensor | None = None
+        self._checked_token_counts: set[int] = set()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H = self.router.weight.shape[1]
@@ -126,7 +129,14 @@ class MoELayer(nn.Module):
         if self.ep_group is None:
             rows = self.experts(d.hidden, d.offsets, d.probs.to(d.hidden.dtype))
         else:
-            ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
+            if self.capacity_factor is None:
+                ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
+            else:
+                if tokens.shape[0] not in self._checked_token_counts:
+                    check_same_tokens(tokens.shape[0], tokens.device, self.ep_group)
+                    self._checked_token_counts.add(tokens.shape[0])
+                capacity = d.num_rows // self.num_experts
+                ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
             local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
             rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
         y = unpermute(rows, d, weighted=False)  # the probs were applied in the experts

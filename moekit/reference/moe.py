@@ -40,11 +40,13 @@ def moe_layer_ref(
     capacity_factor: float | None = None,
     align: int | None = None,
     shared: tuple[torch.Tensor, torch.Tensor] | None = None,  # (fc1 [2F', H], fc2 [H, F'])
+    logits: torch.Tensor | None = None,  # [T, E]: route with these (default: fp32 x @ W^T)
 ) -> torch.Tensor:  # x's shape, fp32
     kw = dict(route_kwargs or {})
     H = x.shape[-1]
     tokens = x.reshape(-1, H).float()
-    logits = F.linear(tokens, router_weight.float())
+    if logits is None:
+        logits = F.linear(tokens, router_weight.float())
     probs, idx = topk_routing_ref(logits, k, **kw)
     E = router_weight.shape[0]
     keep = torch.ones_like(idx, dtype=torch.bool)

@@ -1,0 +1,505 @@
+"""MoELayer forward + backward against the torch-native MoE and a per-expert loop.
+
+    python benchmarks/benchmark_moe_layer.py --out bench_out [--quick] [--smoke]
+    torchrun --nproc_per_node=N benchmarks/benchmark_moe_layer.py --ep N --out bench_out
+
+Single GPU: at the layer sizes of Qwen3-30B-A3B, OLMoE, DeepSeek-V3 (one EP8 rank's 32 experts,
+sigmoid + group limit + bias) and Mixtral, bf16, aux loss on, skewed routing (the router's
+weights lean towards some experts, so loads differ a lot and the routing is the router's own),
+each contender runs router → dispatch → experts → combine, forward and backward
+(``torch.autograd.grad`` of the output and the aux loss with respect to the input and every
+weight):
+
+  moekit   moekit.nn.MoELayer (also with the experts' activation recomputed in backward)
+  torch    benchmarks/torch_moe.py: F.linear router + softmax/sigmoid topk, argsort permute,
+           torch._grouped_mm SwiGLU experts, index_add_ combine
+  loop     the same router, then a per-expert Python loop of F.linear (single GPU only)
+
+Timing: median of ``triton.testing.do_bench`` (back-to-back eager calls, L2 flushed), in
+interleaved rounds, best round kept; also a CUDA graph of 5 calls for moekit and torch (the
+router alone: 20 calls). The
+expert FLOPs (18·T·k·H·F for fc1, fc2 forward, dgrad and wgrad) over the time give TFLOP/s; the
+floor is those FLOPs at the dense ``torch.mm`` rate measured in the same run. Peak memory is
+the most allocated during one step above what was allocated before it. The router alone (after
+the logits GEMM): ``moekit.ops.route`` forward + backward against the torch composition, eager
+and in a CUDA graph, with the host floor of a kernel-less autograd op of the same signature.
+
+With ``--ep N`` (under torchrun, one process per GPU): the Qwen3-30B-A3B and DeepSeek-V3 layers
+(E = 128 and 256, split over the N ranks, T tokens per rank), moekit dropless and with
+``capacity_factor`` against the torch-native layer with ``all_to_all_single``; tokens/s per GPU
+and the share of the step spent in the all-to-alls. Run it with ``--ep 1`` on one GPU of the
+same machine for the scaling efficiency (``--ep-baseline`` takes that JSON).
+
+Writes moe_layer.json (moe_layer_ep<N>.json) and a PNG under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+from common import (
+    DensePeak,
+    bench_ms,
+    error_line,
+    graph_us,
+    host_ms,
+    interleaved_rounds,
+    pyplot,
+    save_figure,
+    write_json,
+)
+from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
+
+from moekit.nn import MoELayer
+from moekit.ops.router import route
+
+DSV3 = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
+# name: (tokens T, experts E, top-k, H, F, router options, speed-up target over torch)
+SHAPES = {
+    "qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, 2.0),
+    "olmoe": (8192, 64, 8, 2048, 1024, {}, 2.0),
+    "deepseek_v3_ep8": (8192, 32, 8, 7168, 2048, DSV3, 1.4),
+    "mixtral": (8192, 8, 2, 4096, 14336, {}, 1.15),
+}
+EP_SHAPES = {
+    "qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, None),
+    "deepseek_v3": (8192, 256, 8, 7168, 2048, DSV3, None),
+}
+SMOKE_SHAPES = {
+    "smoke_softmax": (48, 8, 2, 32, 16, {}, None),
+    "smoke_groups": (40, 16, 4, 32, 16, dict(DSV3, num_groups=4, topk_groups=2), None),
+}
+QWEN3_TFLOPS_TARGET = 520.0
+ROUTER_TARGET = 3.0
+AUX_LOSS_COEFF = 1e-2
+CAPACITY_FACTOR = 1.25
+
+
+def log(*args) -> None:
+    print(*args, flush=True)
+
+
+def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None):
+    """The layer (all E experts, or this rank's share), its input and output gradient. The
+    router leans towards some experts along one direction of the input, so the routing is
+    skewed the same way for every contender."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    layer = MoELayer(
+        H, Fd, E, k, aux_loss_coeff=AUX_LOSS_COEFF, ep_group=ep_group, capacity_factor=capacity,
+        device=device, dtype=dtype, **opts,
+    )  # fmt: skip
+    with torch.no_grad():
+        u = torch.randn(H, generator=gen)
+        u /= u.norm()
+        lean = 0.5 * torch.randn(E, generator=gen)
+        w = torch.randn(E, H, generator=gen) * H**-0.5 + lean[:, None] * u[None, :]
+        layer.router.weight.copy_(w)
+        dgen = torch.Generator(device=device).manual_seed(seed)
+        for p in (layer.experts.fc1_weight, layer.experts.fc2_weight):
+            for e in range(p.shape[0]):  # one expert at a time: no fp32 copy of them all
+                p[e].copy_(torch.randn(p.shape[1:], device=device, generator=dgen))
+            p.mul_(p.shape[-1] ** -0.5)
+        if layer.router.expert_bias is not None:
+            layer.router.expert_bias.copy_(0.01 * torch.randn(E, generator=gen))
+        rank_gen = torch.Generator(device="cpu").manual_seed(seed + 1000 * (_rank() + 1))
+        x = torch.randn(T, H, generator=rank_gen) + 2.0 * u
+        dy = torch.randn(T, H, generator=rank_gen) * T**-0.5
+    x = x.to(device, dtype).requires_grad_()
+    return layer, x, dy.to(device, dtype)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def route_opts(layer: MoELayer) -> dict:
+    r = layer.router
+    return dict(r.route_kwargs, expert_bias=r.expert_bias)
+
+
+def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
+    """Each contender's forward + backward over the same weights."""
+    params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
+    ins = [x, *params]
+    k, opts = layer.k, route_opts(layer)
+
+    def moekit():
+        return torch.autograd.grad(layer(x), ins, dy)
+
+    def baseline(fn, *extra):
+        def step():
+            y, aux = fn(x, *params, k, *extra, aux_loss_coeff=AUX_LOSS_COEFF, **opts)
+            return torch.autograd.grad([y, aux], ins, [dy, torch.ones_like(aux)])
+
+        return step
+
+    def moekit_recompute():  # the experts recompute their activation in backward
+        layer.experts.recompute_activation = True
+        try:
+            return moekit()
+        finally:
+            layer.experts.recompute_activation = False
+
+    if ep_group is not None:
+        return {"moekit": moekit, "torch": baseline(torch_ep_moe, ep_group)}
+    out = {"moekit": moekit, "moekit_recompute": moekit_recompute, "torch": baseline(torch_moe)}
+    if with_loop:
+        out["loop"] = baseline(loop_moe)
+    return out
+
+
+class RouterFloor(torch.autograd.Function):
+    """The router's signature with no kernels: what any custom autograd op taking the logits
+    and returning probs, indices and counts pays on the host (Function.apply, the engine's
+    backward call, allocations) — the floor under the router's eager time."""
+
+    @staticmethod
+    def forward(ctx, logits, k):
+        ctx.meta = logits
+        T = logits.shape[0]
+        idx = logits.new_empty(T, k, dtype=torch.int32)
+        ctx.mark_non_differentiable(idx)
+        return logits.new_empty(T, k, dtype=torch.float32), idx
+
+    @staticmethod
+    def backward(ctx, grad, _):
+        return torch.empty_like(ctx.meta), None
+
+
+def router_steps(T, E, k, opts, device, dtype) -> dict:
+    """The router alone after the logits GEMM: top-k routing forward + backward."""
+    logits = torch.randn(T, E, device=device, dtype=dtype, requires_grad=True)
+    bias = 0.01 * torch.randn(E, device=device) if opts.get("expert_bias") else None
+    kw = {n: v for n, v in opts.items() if n != "expert_bias"}
+    dp = torch.randn(T, k, device=device)
+
+    def moekit():
+        p, _i, _c = route(logits, k, expert_bias=bias, **kw)
+        return torch.autograd.grad(p, logits, dp)
+
+    def torch_composition():
+        p = torch_topk_routing(logits, k, expert_bias=bias, **kw)[0]
+        return torch.autograd.grad(p, logits, dp)
+
+    def floor():
+        return torch.autograd.grad(RouterFloor.apply(logits, k)[0], logits, dp)
+
+    return {"moekit": moekit, "torch": torch_composition, "floor": floor}
+
+
+def peak_mib(step, cuda: bool) -> float:
+    if not cuda:
+        return math.nan
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def routing_stats(layer: MoELayer, x: torch.Tensor) -> dict:
+    with torch.no_grad():
+        counts = layer.router(x.detach()).counts.float()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+    return {
+        "max_over_mean_load": float(counts.max() / counts.mean()),
+        "idle_experts": int((counts == 0).sum()),
+    }
+
+
+def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
+    T, E, k, H, Fd, opts, target = spec
+    res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts)}
+    time_fn = (lambda f: bench_ms(f, warmup=10, rep=60 if args.quick else 150)) if cuda else host_ms
+    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
+    res.update(routing_stats(layer, x))
+    fns = steps(layer, x, dy, with_loop=not args.quick)
+    for fn in fns.values():
+        fn()  # compile, tune, warm the allocator
+    best, _ = interleaved_rounds(fns, 1 if args.quick else 3, time_fn, on_error=_report(res))
+    for c, ms in best.items():
+        res[f"{c}_ms"] = ms
+        res[f"{c}_peak_mib"] = peak_mib(fns[c], cuda) if c != "loop" else math.nan
+    if cuda:
+        for c in ("moekit", "torch"):
+            try:
+                res[f"{c}_graph_ms"] = graph_us(fns[c], calls=5) / 1e3
+            except Exception as exc:
+                res[f"{c}_graph_ms"] = math.nan
+                res[f"{c}_graph_error"] = error_line(exc)
+    flops = 18 * T * k * H * Fd
+    res["expert_tflop"] = flops / 1e12
+    res["moekit_tflops"] = flops / res["moekit_ms"] / 1e9
+    res["floor_ms"] = flops / peak_tflops / 1e9 if cuda else math.nan
+    res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
+    res["speedup_vs_loop"] = res.get("loop_ms", math.nan) / res["moekit_ms"]
+    res["target"] = target
+    del layer, x, dy, fns
+    rf = router_steps(T, E, k, opts, device, args.dtype)
+    for fn in rf.values():
+        fn()
+    rbest, _ = interleaved_rounds(rf, 1 if args.quick else 3, time_fn, on_error=_report(res))
+    res["router_floor_us"] = rbest["floor"] * 1e3
+    for c in ("moekit", "torch"):
+        res[f"router_{c}_us"] = rbest[c] * 1e3
+        res[f"router_{c}_graph_us"] = graph_us(rf[c]) if cuda else math.nan
+    res["router_speedup"] = rbest["torch"] / rbest["moekit"]
+    res["router_graph_speedup"] = res["router_torch_graph_us"] / res["router_moekit_graph_us"]
+    return res
+
+
+def _report(res):
+    def on_error(name, exc):
+        log(f"    {name} FAILED: {error_line(exc)}")
+        res[f"{name}_error"] = error_line(exc)
+
+    return on_error
+
+
+def table(rows) -> list[str]:
+    head = (
+        f"{'shape':<17}{'moekit ms':>10}{'torch ms':>10}{'loop ms':>9}{'× torch':>8}"
+        f"{'target':>7}{'TFLOP/s':>8}{'floor ms':>9}{'graph m/t':>13}{'peak MiB m/t':>15}"
+        f"{'router µs m/t/floor':>20}{'×':>6}{'graph ×':>8}{'recomp MiB':>11}{'load':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tgt = f"{r['target']:.2f}" if r.get("target") else "-"
+        graph = f"{r.get('moekit_graph_ms', math.nan):.2f}/{r.get('torch_graph_ms', math.nan):.2f}"
+        peak = f"{r['moekit_peak_mib']:.0f}/{r['torch_peak_mib']:.0f}"
+        router = (
+            f"{r['router_moekit_us']:.0f}/{r['router_torch_us']:.0f}/{r['router_floor_us']:.0f}"
+        )
+        lines.append(
+            f"{r['shape']:<17}{r['moekit_ms']:>10.3f}{r['torch_ms']:>10.3f}"
+            f"{r.get('loop_ms', math.nan):>9.2f}{r['speedup_vs_torch']:>8.2f}{tgt:>7}"
+            f"{r['moekit_tflops']:>8.0f}{r['floor_ms']:>9.3f}{graph:>13}{peak:>15}"
+            f"{router:>20}{r['router_speedup']:>6.2f}{r['router_graph_speedup']:>8.2f}"
+            f"{r.get('moekit_recompute_peak_mib', math.nan):>11.0f}{r['max_over_mean_load']:>6.1f}"
+        )
+    return lines
+
+
+def verdict(rows) -> dict:
+    ok, fail = [], []
+    for r in rows:
+        checks = []
+        if r.get("target"):
+            checks.append(
+                (
+                    r["speedup_vs_torch"] >= r["target"],
+                    f"{r['shape']}: {r['speedup_vs_torch']:.2f}× torch (target ≥ {r['target']})",
+                )
+            )
+        checks.append(
+            (
+                r["router_speedup"] >= ROUTER_TARGET,
+                f"{r['shape']}: router {r['router_speedup']:.2f}× torch (target ≥ {ROUTER_TARGET})",
+            )
+        )
+        checks.append(
+            (
+                r["moekit_peak_mib"] <= r["torch_peak_mib"],
+                f"{r['shape']}: peak "
+                f"{r['moekit_peak_mib']:.0f} MiB vs torch {r['torch_peak_mib']:.0f}",
+            )
+        )
+        if r["shape"] == "qwen3_30b_a3b":
+            checks.append(
+                (
+                    r["moekit_tflops"] >= QWEN3_TFLOPS_TARGET,
+                    f"qwen3: {r['moekit_tflops']:.0f} TFLOP/s (target ≥ {QWEN3_TFLOPS_TARGET})",
+                )
+            )
+        for good, text in checks:
+            (ok if good else fail).append(text)
+    return {"pass": ok, "fail": fail}  # fmt: skip
+
+
+def plot(rows, path) -> None:
+    try:
+        plt = pyplot()
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["shape"] for r in rows]
+    xs = range(len(rows))
+    ax.bar([i - 0.2 for i in xs], [r["speedup_vs_torch"] for r in rows], 0.4, label="MoELayer")
+    ax.bar([i + 0.2 for i in xs], [r["router_speedup"] for r in rows], 0.4, label="router alone")
+    for i, r in enumerate(rows):
+        if r.get("target"):
+            ax.plot([i - 0.4, i], [r["target"]] * 2, "k--", lw=1)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(list(xs), names, rotation=15)
+    ax.set_ylabel("speed-up over torch-native (fwd+bwd)")
+    ax.legend()
+    save_figure(fig, path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert parallelism
+# ------------------------------------------------------------------------------------------------
+
+
+def run_ep_shape(name, spec, args, device) -> dict:
+    import torch.distributed as dist
+
+    T, E, k, H, Fd, opts, _ = spec
+    W = dist.get_world_size()
+    group = dist.group.WORLD if W > 1 else None
+    res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
+    time_fn = lambda f: _max_over_ranks(bench_ms(f, warmup=10, rep=100))
+    fns = {}
+    for mode, cf in (("moekit", None), ("moekit_capacity", CAPACITY_FACTOR)):
+        layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf)
+        fns[mode] = steps(layer, x, dy, False, group)["moekit"]
+        if mode == "moekit":
+            res.update(routing_stats(layer, x))
+            fns["torch"] = steps(layer, x, dy, False, group)["torch"] if group else (
+                steps(layer, x, dy, False)["torch"])  # fmt: skip
+    for fn in fns.values():
+        fn()
+    best, _ = interleaved_rounds(fns, 2, time_fn, on_error=_report(res))
+    for c, ms in best.items():
+        res[f"{c}_ms"] = ms
+        res[f"{c}_tokens_per_s"] = T / ms * 1e3
+    if group is not None:
+        res["alltoall_share"] = _alltoall_share(fns["moekit"])
+    res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
+    return res
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([v], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _alltoall_share(fn) -> float:
+    """Share of the step's GPU kernel time in NCCL kernels (torch profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    total = nccl = 0.0
+    for e in prof.key_averages():
+        t = e.device_time_total
+        total += t
+        if "nccl" in e.key.lower():
+            nccl += t
+    return nccl / total if total else math.nan
+
+
+def main_ep(args) -> None:
+    import torch.distributed as dist
+
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    else:  # --ep 1 on one GPU without torchrun
+        dist.init_process_group(
+            "nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
+            device_id=torch.device("cuda", 0),
+        )  # fmt: skip
+    W = dist.get_world_size()
+    if args.ep != W:
+        raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, got {W}")
+    rows = []
+    for name, spec in EP_SHAPES.items():
+        if args.shapes and name not in args.shapes:
+            continue
+        r = run_ep_shape(name, spec, args, "cuda")
+        rows.append(r)
+        if dist.get_rank() == 0:
+            log(json.dumps(r))
+    if dist.get_rank() == 0:
+        base = {}
+        if args.ep_baseline:
+            with open(args.ep_baseline) as f:
+                base = {r["shape"]: r for r in json.load(f)["rows"]}
+        lines = [f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}"]
+        head = f"{'shape':<15}{'moekit':>10}{'capacity':>10}{'torch':>10}{'×torch':>8}"
+        lines += [head + f"{'a2a share':>10}{'scaling':>9}"]
+        for r in rows:
+            b = base.get(r["shape"])
+            r["scaling_efficiency"] = (
+                r["moekit_tokens_per_s"] / b["moekit_tokens_per_s"] if b else math.nan
+            )
+            lines.append(
+                f"{r['shape']:<15}{r['moekit_tokens_per_s']:>10.0f}"
+                f"{r['moekit_capacity_tokens_per_s']:>10.0f}{r['torch_tokens_per_s']:>10.0f}"
+                f"{r['speedup_vs_torch']:>8.2f}{r.get('alltoall_share', math.nan):>10.2f}"
+                f"{r['scaling_efficiency']:>9.2f}"
+            )
+        log("\n".join(lines))
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": W}
+        write_json(os.path.join(args.out, f"moe_layer_ep{W}.json"), {"meta": meta, "rows": rows},
+                   nan_as_null=True)  # fmt: skip
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="one round, no per-expert loop")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU too")
+    ap.add_argument("--shapes", nargs="*", default=None)
+    ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
+    ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.smoke
+    args.dtype = torch.bfloat16 if cuda else torch.float32
+    if args.ep is not None:
+        return main_ep(args)
+    device = "cuda" if cuda else "cpu"
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    peak = DensePeak() if cuda else None
+    peak_tflops = peak.tflops() if cuda else math.nan
+    log(f"dense torch.mm peak: {peak_tflops:.0f} TFLOP/s")
+    rows = []
+    for name, spec in shapes.items():
+        if args.shapes and name not in args.shapes:
+            continue
+        log(f"{name} ...")
+        rows.append(run_shape(name, spec, args, cuda, device, peak_tflops))
+        if cuda:
+            torch.cuda.empty_cache()
+    lines = table(rows)
+    v = verdict(rows) if cuda else {"pass": [], "fail": [], "note": "no targets off the GPU"}
+    meta = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__, "dtype": str(args.dtype), "dense_tflops": peak_tflops,
+        "aux_loss_coeff": AUX_LOSS_COEFF,
+    }  # fmt: skip
+    write_json(os.path.join(args.out, "moe_layer.json"), {"meta": meta, "rows": rows,
+               "verdict": v}, nan_as_null=True)  # fmt: skip
+    plot(rows, os.path.join(args.out, "moe_layer.png"))
+    log("\n".join(lines))
+    for text in v["fail"]:
+        log(f"MISSED {text}")
+    log(f"targets met: {len(v['pass'])}/{len(v['pass']) + len(v['fail'])}")
+
+
+if __name__ == "__main__":
+    main()
