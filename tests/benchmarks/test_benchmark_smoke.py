@@ -26,6 +26,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("benchmark_permute.py", "permute_bench", True),
         ("benchmark_small_shapes.py", "small_shapes", False),
         ("benchmark_moe_layer.py", "moe_layer", False),
+        ("benchmark_hf.py", "hf", False),
     ],
 )
 def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):

@@ -1,0 +1,200 @@
+"""Hugging Face transformers models with ``experts_implementation="moekit"`` against the
+built-in backends (``eager``, ``batched_mm``, ``grouped_mm``).
+
+    python benchmarks/benchmark_hf.py --out bench_out [--quick] [--smoke]
+
+Models: random-initialised Qwen3-MoE and OLMoE with the real MoE layer sizes of Qwen3-30B-A3B
+(H 2048, E 128, top-8, F 768) and OLMoE-1B-7B (H 2048, E 64, top-8, F 1024), fewer layers and a
+32k vocabulary (so the output head does not hide the experts), bf16.
+
+  train     forward + backward of a causal-LM loss, sequence 4096 × batch: tokens/s
+            (not batched_mm, which gathers a copy of the expert weights per row)
+  generate  greedy decoding of 128 new tokens after a 32-token prompt, batch 1 and 16: new
+            tokens/s (decode steps route batch × top-k rows)
+
+Each implementation runs on the same model (``set_experts_implementation``), timed with CUDA
+events after warm-up steps. Writes hf.json and hf.png under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+from common import error_line, pyplot, save_figure, write_json
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
+
+import transformers
+
+import moekit.integrations.transformers  # noqa: F401  (registers "moekit")
+
+ATTN = dict(num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+MODELS = {
+    "qwen3_30b_a3b_2l": ("qwen3_moe", dict(hidden_size=2048, moe_intermediate_size=768,
+                         intermediate_size=6144, num_experts=128, num_experts_per_tok=8,
+                         num_hidden_layers=2, norm_topk_prob=True, **ATTN)),
+    "olmoe_2l": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_experts=64,
+                 num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=16,
+                 num_key_value_heads=16)),
+}  # fmt: skip
+SMOKE_MODELS = {
+    "smoke_qwen3": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32,
+                    intermediate_size=96, num_experts=8, num_experts_per_tok=2,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=16)),
+}  # fmt: skip
+IMPLS = ("moekit", "grouped_mm", "batched_mm", "eager")
+TRAIN_TARGETS = {"grouped_mm": 1.5, "eager": 3.0}
+
+
+def build(family: str, dims: dict, device, dtype):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        family, vocab_size=32768, max_position_embeddings=8192, tie_word_embeddings=False,
+        **dims,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation="eager", dtype=dtype
+    )
+    return model.to(device)
+
+
+def seconds(fn, steps: int, cuda: bool) -> float:
+    """Wall seconds per call of ``fn`` (CUDA events on a GPU)."""
+    if not cuda:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            fn()
+        return (time.perf_counter() - t0) / steps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(steps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / steps
+
+
+def train_tokens_per_s(model, impl, seq, batch, steps, cuda) -> float:
+    model.set_experts_implementation(impl)
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=model.device)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+
+    for _ in range(2):
+        step()
+    return batch * seq / seconds(step, steps, cuda)
+
+
+def generate_tokens_per_s(model, impl, batch, new_tokens, cuda) -> float:
+    model.set_experts_implementation(impl)
+    model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=model.device)
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+    def run():
+        with torch.no_grad():
+            model.generate(ids, **kw, pad_token_id=0)
+
+    run()
+    return batch * new_tokens / seconds(run, 1, cuda)
+
+
+def _guard(row: dict, fn) -> float:
+    """fn(), or NaN with the error recorded in the row (e.g. out of memory)."""
+    try:
+        return fn()
+    except Exception as exc:  # a contender that cannot run this shape
+        row.setdefault("errors", []).append(error_line(exc))
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, no eager training")
+    ap.add_argument("--smoke", action="store_true", help="tiny model; runs on CPU too")
+    ap.add_argument("--batch", type=int, default=2, help="training sequences per step")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available() and not args.smoke
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    models = SMOKE_MODELS if args.smoke else MODELS
+    seq, new_tokens = (32, 4) if args.smoke else (4096, 128)
+    rows = []
+    for name, (family, dims) in models.items():
+        model = build(family, dims, device, dtype)
+        r = {"model": name, "family": family, "seq": seq, "batch": args.batch}
+        for impl in IMPLS:
+            if impl == "eager" and args.quick:
+                continue
+            steps = 1 if (impl == "eager" or args.smoke) else (3 if args.quick else 6)
+            if impl != "batched_mm":  # it gathers a weight copy per row: decode only
+                r[f"train_{impl}"] = _guard(
+                    r, partial(train_tokens_per_s, model, impl, seq, args.batch, steps, cuda)
+                )
+            for b in (1, 16):
+                r[f"generate{b}_{impl}"] = _guard(
+                    r, partial(generate_tokens_per_s, model, impl, b, new_tokens, cuda)
+                )
+            print(f"{name} {impl}: " + ", ".join(
+                f"{k.split('_')[0]} {v:,.0f}" for k, v in r.items() if k.endswith(impl)
+            ), flush=True)  # fmt: skip
+        for base in TRAIN_TARGETS:
+            if f"train_{base}" in r:
+                r[f"train_vs_{base}"] = r["train_moekit"] / r[f"train_{base}"]
+        for b in (1, 16):
+            builtin = max(
+                (r[f"generate{b}_{i}"] for i in IMPLS[1:] if f"generate{b}_{i}" in r),
+                key=lambda v: -1.0 if v != v else v,  # NaN (failed) never wins
+            )
+            r[f"generate{b}_vs_best_builtin"] = r[f"generate{b}_moekit"] / builtin
+        rows.append(r)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    lines = [f"tokens/s, {torch.cuda.get_device_name() if cuda else 'cpu'}, bf16" if cuda else
+             "tokens/s, cpu (smoke)"]  # fmt: skip
+    head = f"{'model':<18}{'pass':<12}" + "".join(f"{i:>12}" for i in IMPLS) + f"  {'moekit ×'}"
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        for p in ("train", "generate1", "generate16"):
+            vals = "".join(f"{r.get(f'{p}_{i}', float('nan')):>12,.0f}" for i in IMPLS)
+            if p == "train":
+                ratio = " / ".join(f"{r[f'train_vs_{b}']:.2f} {b}" for b in TRAIN_TARGETS
+                                   if f"train_vs_{b}" in r)  # fmt: skip
+            else:
+                ratio = f"{r[f'{p}_vs_best_builtin']:.2f} best built-in"
+            lines.append(f"{r['model']:<18}{p:<12}{vals}  {ratio}")
+    meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
+    write_json(os.path.join(args.out, "hf.json"), {"meta": meta, "rows": rows}, nan_as_null=True)
+    try:
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+        for ax, p in zip(axes, ("train", "generate1", "generate16")):
+            for j, r in enumerate(rows):
+                vals = [r.get(f"{p}_{i}", 0.0) for i in IMPLS]
+                ax.bar([k + 0.4 * j for k in range(len(IMPLS))], vals, 0.4, label=r["model"])
+            ax.set_xticks([k + 0.2 for k in range(len(IMPLS))], IMPLS, rotation=20)
+            ax.set_title(p)
+            ax.set_ylabel("tokens/s")
+        axes[0].legend(fontsize=7)
+        save_figure(fig, os.path.join(args.out, "hf.png"))
+    except ImportError:
+        pass
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    main()

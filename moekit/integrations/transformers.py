@@ -1,0 +1,169 @@
+"""Hugging Face transformers experts backend: ``experts_implementation="moekit"``.
+
+    import moekit.integrations.transformers  # registers "moekit"
+    model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="moekit")
+    model.set_experts_implementation("moekit")  # or switch a loaded model
+
+transformers (≥ 5.0) lets a library supply the forward of a model's experts module (the
+modules decorated with ``@use_experts_implementation``: ``gate_up_proj [E, 2F, H]`` as
+[gate | up], ``down_proj [E, H, F]``, called with the router's ``top_k_index`` and
+``top_k_weights``). This backend runs them as ``permute`` → ``grouped_mlp`` (the routing
+weights applied inside the activation) → ``unpermute``, on the module's own parameters: no
+copies, no layout change, checkpoints load and save unchanged. Experts this backend cannot run
+exactly (transposed or interleaved weights, biases, a custom gate, an activation other than
+SiLU or exact GELU) run transformers' ``grouped_mm`` backend instead, with a one-time warning
+that says why. The activation is read from the module's ``act_fn``.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import warnings
+
+import torch
+
+from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.permute import permute, unpermute
+
+__all__ = [
+    "ACTIVATION_TYPES",
+    "BACKEND_NAME",
+    "MIN_TRANSFORMERS",
+    "moekit_experts_forward",
+    "register",
+    "unsupported",
+]
+
+BACKEND_NAME = "moekit"
+MIN_TRANSFORMERS = "5.0"
+# the experts' act_fn (applied to the gate) -> moekit's gated activation act(gate) * up
+GATED_ACTIVATIONS = {"swiglu": torch.nn.functional.silu, "geglu": torch.nn.functional.gelu}
+
+
+def _probe(act_fn) -> str | None:
+    """moekit's activation whose gate function ``act_fn`` computes, by evaluating it."""
+    x = torch.linspace(-20.0, 20.0, 161)  # past clipping variants' bounds (e.g. gelu_10)
+    with torch.no_grad():
+        try:
+            got = act_fn(x)
+        except Exception:
+            return None
+        for name, fn in GATED_ACTIVATIONS.items():
+            if torch.allclose(got, fn(x), rtol=1e-5, atol=1e-6):
+                return name
+    return None
+
+
+def _activation_table() -> dict[type, str | None]:
+    """Activation type -> moekit activation, probed once for each GELU/SiLU entry of
+    transformers' ACT2FN (models build their experts' act_fn from it, under various config
+    names). A type whose instances compute different functions maps to None."""
+    from transformers.activations import ACT2FN
+
+    table: dict[type, str | None] = {torch.nn.SiLU: "swiglu"}
+    for key in list(ACT2FN):
+        if not any(part in key for part in ("gelu", "silu", "swish")):
+            continue
+        try:
+            fn = ACT2FN[key]
+        except Exception:
+            continue
+        if type(fn) is torch.nn.GELU:  # told apart by its approximate attribute
+            continue
+        name = _probe(fn)
+        table[type(fn)] = name if table.get(type(fn), name) == name else None
+    return table
+
+
+def _activation(experts: torch.nn.Module) -> str | None:
+    act_fn = getattr(experts, "act_fn", None)
+    if isinstance(act_fn, torch.nn.GELU):
+        return "geglu" if act_fn.approximate == "none" else None
+    return ACTIVATION_TYPES.get(type(act_fn))
+
+
+def _experts_module():
+    """transformers.integrations.moe, or a clear error naming the version it needs."""
+    try:
+        from transformers.integrations import moe
+    except ImportError as exc:
+        try:
+            found = importlib.metadata.version("transformers")
+        except importlib.metadata.PackageNotFoundError:
+            found = "not installed"
+        raise ImportError(
+            f"moekit's transformers backend needs transformers >= {MIN_TRANSFORMERS} (its "
+            f"experts interface, transformers.integrations.moe); found {found}. Install it "
+            f"with: pip install 'moekit[hf]'"
+        ) from exc
+    if not hasattr(moe, "ALL_EXPERTS_FUNCTIONS"):
+        raise ImportError(
+            f"moekit's transformers backend needs transformers >= {MIN_TRANSFORMERS}: this "
+            f"transformers ({importlib.metadata.version('transformers')}) has no experts interface"
+        )
+    return moe
+
+
+def unsupported(experts: torch.nn.Module) -> str | None:
+    """Why moekit cannot run this experts module exactly, or None when it can."""
+    moe = _experts_module()
+    if not getattr(experts, "has_gate", True):
+        return "experts without a gate (up_proj only)"
+    if getattr(experts, "is_transposed", False):
+        return "transposed expert weights"
+    if not getattr(experts, "is_concatenated", True):
+        return "interleaved gate/up weights"
+    if getattr(experts, "has_bias", False):
+        return "expert biases"
+    default_gate = getattr(moe, "_default_apply_gate", None)
+    if getattr(type(experts), "_apply_gate", default_gate) is not default_gate:
+        return f"a custom gate ({type(experts).__name__}._apply_gate)"
+    if _activation(experts) is None:
+        act = type(getattr(experts, "act_fn", None)).__name__
+        return f"an activation moekit does not run ({act}; it runs SiLU and exact GELU gates)"
+    w1, w2 = experts.gate_up_proj, experts.down_proj
+    if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != 2 * w2.shape[2]:
+        return f"weights of shapes {tuple(w1.shape)} and {tuple(w2.shape)}"
+    return None
+
+
+@functools.cache
+def _warn_fallback(cls_name: str, reason: str) -> None:
+    warnings.warn(
+        f"moekit experts backend: {cls_name} has {reason}; it runs transformers' grouped_mm "
+        f"backend instead",
+        stacklevel=3,
+    )
+
+
+def moekit_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k] expert ids
+    top_k_weights: torch.Tensor,  # [T, k] routing weights
+) -> torch.Tensor:  # [T, H], hidden_states' dtype
+    """The experts module's forward through moekit (the signature transformers calls)."""
+    reason = unsupported(self)
+    if reason is not None:
+        _warn_fallback(type(self).__name__, reason)
+        return _experts_module().grouped_mm_experts_forward(
+            self, hidden_states, top_k_index, top_k_weights
+        )
+    w1, w2 = self.gate_up_proj, self.down_proj
+    x = hidden_states.to(w1.dtype)  # autocast may hand fp32 activations to bf16 weights
+    d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
+    activation = _activation(self)
+    y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)
+    return unpermute(y, d, weighted=False).to(hidden_states.dtype)
+
+
+def register(name: str = BACKEND_NAME) -> None:
+    """Register the backend with transformers' experts interface under ``name`` (done on
+    import of this module)."""
+    _experts_module().ALL_EXPERTS_FUNCTIONS.register(name, moekit_experts_forward)
+
+
+register()
+# probed at import, outside any torch.compile trace: a traced call only looks a type up
+ACTIVATION_TYPES = _activation_table()

@@ -1,0 +1,146 @@
+"""``experts_implementation="moekit"`` against transformers' own ``"eager"`` experts, for tiny
+random-initialised models of each supported family: logits, loss and every parameter's
+gradient (CPU fp32: moekit's reference path; GPU bf16: the Triton kernels), a few optimizer
+steps, generation, fallback for experts moekit cannot run, and torch.compile."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+hf = pytest.importorskip("moekit.integrations.transformers")
+
+from moekit.ops import grouped_mlp  # noqa: E402
+
+COMMON = dict(
+    hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=97, max_position_embeddings=128, tie_word_embeddings=False,
+)  # fmt: skip
+FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      head_dim=16, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                        n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=0,
+                        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, routed_scaling_factor=2.5),
+}  # fmt: skip
+
+
+def tiny_model(family: str, impl: str, dtype=torch.float32, device="cpu"):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=impl, dtype=dtype
+    )
+    return model.to(device)
+
+
+def loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_matches_eager_experts(family, monkeypatch):
+    model = tiny_model(family, "eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    want = loss_and_grads(model, ids)
+    model.set_experts_implementation("moekit")
+    calls = []
+    monkeypatch.setattr(hf, "grouped_mlp", lambda *a, **k: calls.append(1) or grouped_mlp(*a, **k))
+    got = loss_and_grads(model, ids)
+    assert len(calls) == COMMON["num_hidden_layers"]  # every MoE layer ran through moekit
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys() and any("experts" in n for n in got[2])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_from_config_and_optimizer_steps_match():
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 11))
+    losses = {}
+    for impl in ("eager", "moekit"):
+        model = tiny_model("qwen3_moe", impl)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[impl] = []
+        for _ in range(4):
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses[impl].append(loss.item())
+    assert losses["moekit"] == pytest.approx(losses["eager"], rel=1e-4)
+
+
+def test_generation_matches_eager():
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 5))
+    out = {}
+    for impl in ("eager", "moekit"):
+        model = tiny_model("olmoe", impl).eval()
+        out[impl] = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out["moekit"], out["eager"])
+
+
+def test_gradient_checkpointing():
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9))
+    model = tiny_model("mixtral", "moekit")
+    want = loss_and_grads(model, ids)
+    model.gradient_checkpointing_enable()
+    model.train()
+    got = loss_and_grads(model, ids)
+    torch.testing.assert_close(got[1], want[1])
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_unsupported_experts_fall_back_with_a_warning():
+    model = tiny_model("qwen3_moe", "moekit")
+    experts = model.model.layers[0].mlp.experts
+    assert hf.unsupported(experts) is None
+    for layer in model.model.layers:  # an activation moekit does not run: tanh GELU
+        layer.mlp.experts.act_fn = transformers.activations.ACT2FN["gelu_pytorch_tanh"]
+    assert "activation moekit does not run" in hf.unsupported(experts)
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 7))
+    hf._warn_fallback.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model(input_ids=ids).logits
+    assert any("runs transformers' grouped_mm backend" in str(w.message) for w in caught)
+    model.set_experts_implementation("eager")
+    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_torch_compile_fullgraph_of_the_experts():
+    model = tiny_model("qwen3_moe", "moekit")
+    experts = model.model.layers[0].mlp.experts
+    x = torch.randn(10, COMMON["hidden_size"], requires_grad=True)
+    w, idx = torch.randn(10, 8).softmax(-1).topk(2, dim=-1)
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    y = compiled(x, idx, w)
+    torch.testing.assert_close(y, experts(x, idx, w))
+    y.sum().backward()
+    assert experts.gate_up_proj.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gpu_bf16_within_torch_bf16_error(family):
+    """bf16 moekit vs the fp32 eager model: no further from it than bf16 eager is."""
+    ids = torch.randint(0, COMMON["vocab_size"], (4, 64), device="cuda")
+    ref = loss_and_grads(tiny_model(family, "eager", torch.float32, "cuda"), ids)
+    err = {}
+    for impl in ("eager", "moekit"):
+        got = loss_and_grads(tiny_model(family, impl, torch.bfloat16, "cuda"), ids)
+        err[impl] = float((got[0].float() - ref[0]).norm() / ref[0].norm())
+    assert err["moekit"] <= 2 * err["eager"] + 1e-3, err
