@@ -25,6 +25,7 @@ import torch
 
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import permute, unpermute
+from moekit.ops.router import topk_routing
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -33,6 +34,7 @@ __all__ = [
     "moekit_experts_forward",
     "register",
     "unsupported",
+    "use_moekit_router",
 ]
 
 BACKEND_NAME = "moekit"
@@ -156,6 +158,58 @@ def moekit_experts_forward(
     activation = _activation(self)
     y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)
     return unpermute(y, d, weighted=False).to(hidden_states.dtype)
+
+
+# Routers whose forward is ``(hidden) -> (logits, top-k weights, top-k ids)`` with softmax top-k
+# and optional renormalisation; the value says whether the weights come back in the logits'
+# dtype (else fp32).
+SOFTMAX_ROUTERS = {
+    "Qwen3MoeTopKRouter": True,
+    "Qwen2MoeTopKRouter": True,
+    "OlmoeTopKRouter": True,
+    "MixtralTopKRouter": False,
+}
+# sigmoid scores, selection bias, group-limited selection, renormalisation, scaling
+GROUPED_SIGMOID_ROUTERS = ("DeepseekV3TopkRouter",)
+
+
+def _softmax_router_forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = torch.nn.functional.linear(hidden_states, self.weight)
+    probs, idx = topk_routing(logits, self.top_k, normalize=getattr(self, "norm_topk_prob", True))
+    if SOFTMAX_ROUTERS[type(self).__name__]:
+        probs = probs.to(logits.dtype)
+    return logits, probs, idx.long()
+
+
+def _grouped_sigmoid_router_forward(self, hidden_states):
+    hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
+    logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
+    probs, idx = topk_routing(
+        logits, self.top_k, score="sigmoid", expert_bias=self.e_score_correction_bias.float(),
+        num_groups=self.num_group, topk_groups=self.topk_group, normalize=self.norm_topk_prob,
+        scaling=float(self.routed_scaling_factor),
+    )  # fmt: skip
+    return logits, probs, idx.long()
+
+
+def use_moekit_router(model: torch.nn.Module) -> int:
+    """Opt-in: run the routers whose semantics moekit's fused ``topk_routing`` matches
+    (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral: softmax top-k; DeepSeek-V3: sigmoid, correction
+    bias, group-limited) through it, in place. They still return the model's own router logits,
+    so its aux-loss outputs are unchanged; ties between equal scores go to the lower expert id.
+    Returns the number of routers swapped."""
+    swapped = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name in SOFTMAX_ROUTERS:
+            module.forward = _softmax_router_forward.__get__(module)
+        elif name in GROUPED_SIGMOID_ROUTERS:
+            module.forward = _grouped_sigmoid_router_forward.__get__(module)
+        else:
+            continue
+        swapped += 1
+    return swapped
 
 
 def register(name: str = BACKEND_NAME) -> None:

@@ -67,6 +67,22 @@ def test_matches_eager_experts(family, monkeypatch):
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moekit_router_matches_the_models_router(family, monkeypatch):
+    model = tiny_model(family, "moekit")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    want = loss_and_grads(model, ids)
+    assert hf.use_moekit_router(model) == COMMON["num_hidden_layers"]
+    calls = []
+    routing = hf.topk_routing
+    monkeypatch.setattr(hf, "topk_routing", lambda *a, **k: calls.append(1) or routing(*a, **k))
+    got = loss_and_grads(model, ids)
+    assert len(calls) == COMMON["num_hidden_layers"]
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_from_config_and_optimizer_steps_match():
     ids = torch.randint(0, COMMON["vocab_size"], (2, 11))
     losses = {}
