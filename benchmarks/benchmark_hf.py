@@ -13,7 +13,7 @@ Models: random-initialised Qwen3-MoE and OLMoE with the real MoE layer sizes of 
             tokens/s (decode steps route batch × top-k rows)
 
 Each implementation runs on the same model (``set_experts_implementation``), timed with CUDA
-events after warm-up steps. Writes hf.json and hf.png under --out.
+events after warm-up steps; generation runs take turns across the backends, best of 3 each. Writes hf.json and hf.png under --out.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ SMOKE_MODELS = {
 }  # fmt: skip
 IMPLS = ("moekit", "grouped_mm", "batched_mm", "eager")
 TRAIN_TARGETS = {"grouped_mm": 1.5, "eager": 3.0}
+GENERATE_ROUNDS = 3
 
 
 def build(family: str, dims: dict, device, dtype):
@@ -94,7 +95,7 @@ def train_tokens_per_s(model, impl, seq, batch, steps, cuda) -> float:
     return batch * seq / seconds(step, steps, cuda)
 
 
-def generate_tokens_per_s(model, impl, batch, new_tokens, cuda) -> float:
+def generate_tokens_per_s(model, impl, batch, new_tokens, cuda, warm: bool = True) -> float:
     model.set_experts_implementation(impl)
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=model.device)
@@ -104,7 +105,8 @@ def generate_tokens_per_s(model, impl, batch, new_tokens, cuda) -> float:
         with torch.no_grad():
             model.generate(ids, **kw, pad_token_id=0)
 
-    run()
+    if warm:
+        run()
     return batch * new_tokens / seconds(run, 1, cuda)
 
 
@@ -143,10 +145,18 @@ def main() -> None:
                 r[f"train_{impl}"] = _guard(
                     r, partial(train_tokens_per_s, model, impl, seq, args.batch, steps, cuda)
                 )
-            for b in (1, 16):
-                r[f"generate{b}_{impl}"] = _guard(
-                    r, partial(generate_tokens_per_s, model, impl, b, new_tokens, cuda)
-                )
+        # generation: short runs with noisy host timing, so the backends take turns and each
+        # keeps its best of GENERATE_ROUNDS
+        for rnd in range(1 if args.smoke else GENERATE_ROUNDS):
+            for impl in IMPLS:
+                if impl == "eager" and rnd > 0:  # far behind the others: one round
+                    continue
+                for b in (1, 16):
+                    fn = partial(generate_tokens_per_s, model, impl, b, new_tokens, cuda, rnd == 0)
+                    v = _guard(r, fn)
+                    key = f"generate{b}_{impl}"
+                    r[key] = max(r.get(key, v), v) if v == v else v
+        for impl in IMPLS:
             print(f"{name} {impl}: " + ", ".join(
                 f"{k.split('_')[0]} {v:,.0f}" for k, v in r.items() if k.endswith(impl)
             ), flush=True)  # fmt: skip
