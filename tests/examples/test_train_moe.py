@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_moe.py"
 
 
@@ -68,3 +70,22 @@ def test_torch_baseline_has_the_same_model():
         timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.dist
+def test_expert_parallel_run_follows_the_single_process_run(tmp_path):
+    """``--ep 2`` under torchrun (gloo on CPU): each rank holds half the experts and half of
+    every batch; the losses follow the single-process run from the same seed."""
+    single = _run("--steps", "12", "--out", str(tmp_path / "one"))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(EXAMPLE), "--steps", "12", "--ep", "2", "--no-progress", "--out",
+         str(tmp_path / "two")],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ep = json.loads((tmp_path / "two" / "losses.json").read_text())
+    assert ep["ep"] == 2
+    assert ep["losses"] == pytest.approx(single["losses"], abs=2e-3)

@@ -160,3 +160,23 @@ def test_gpu_bf16_within_torch_bf16_error(family):
         got = loss_and_grads(tiny_model(family, impl, torch.bfloat16, "cuda"), ids)
         err[impl] = float((got[0].float() - ref[0]).norm() / ref[0].norm())
     assert err["moekit"] <= 2 * err["eager"] + 1e-3, err
+
+
+def test_torch_compile_fullgraph_of_the_moe_block_with_the_moekit_router():
+    model = tiny_model("deepseek_v3", "moekit")
+    hf.use_moekit_router(model)
+    block = model.model.layers[0].mlp  # router + routed experts + shared expert
+    x = torch.randn(2, 7, COMMON["hidden_size"], requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    torch.testing.assert_close(y, block(x), rtol=1e-5, atol=1e-6)
+    y.sum().backward()
+    assert block.gate.weight.grad is not None and x.grad is not None
+
+
+def test_old_transformers_gets_a_clear_error(monkeypatch):
+    from transformers.integrations import moe
+
+    monkeypatch.delattr(moe, "ALL_EXPERTS_FUNCTIONS")
+    with pytest.raises(ImportError, match=r"transformers >= 5\.0"):
+        hf.register()
