@@ -361,11 +361,11 @@ def run_ep_shape(name, spec, args, device) -> dict:
     fns = {}
     for mode, cf in (("moekit", None), ("moekit_capacity", CAPACITY_FACTOR)):
         layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf)
-        fns[mode] = steps(layer, x, dy, False, group)["moekit"]
+        contenders = steps(layer, x, dy, False, group)
+        fns[mode] = contenders["moekit"]
         if mode == "moekit":
             res.update(routing_stats(layer, x))
-            fns["torch"] = steps(layer, x, dy, False, group)["torch"] if group else (
-                steps(layer, x, dy, False)["torch"])  # fmt: skip
+            fns["torch"] = contenders["torch"]
     for fn in fns.values():
         fn()
     best, _ = interleaved_rounds(fns, 2, time_fn, on_error=_report(res))

@@ -109,7 +109,7 @@ def _experts_module():
 
 def unsupported(experts: torch.nn.Module) -> str | None:
     """Why moekit cannot run this experts module exactly, or None when it can."""
-    moe = _experts_module()
+    moe = _MOE
     if not getattr(experts, "has_gate", True):
         return "experts without a gate (up_proj only)"
     if getattr(experts, "is_transposed", False):
@@ -149,9 +149,7 @@ def moekit_experts_forward(
     reason = unsupported(self)
     if reason is not None:
         _warn_fallback(type(self).__name__, reason)
-        return _experts_module().grouped_mm_experts_forward(
-            self, hidden_states, top_k_index, top_k_weights
-        )
+        return _MOE.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     w1, w2 = self.gate_up_proj, self.down_proj
     x = hidden_states.to(w1.dtype)  # autocast may hand fp32 activations to bf16 weights
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
@@ -218,6 +216,8 @@ def register(name: str = BACKEND_NAME) -> None:
     _experts_module().ALL_EXPERTS_FUNCTIONS.register(name, moekit_experts_forward)
 
 
+# looked up once here, not on every forward (decode steps call the experts per token)
+_MOE = _experts_module()
 register()
 # probed at import, outside any torch.compile trace: a traced call only looks a type up
 ACTIVATION_TYPES = _activation_table()

@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from moekit.nn import MoELayer
+from tests._cuda_step import sync_free_capture
 
 H, F, E, K = 1024, 512, 16, 4
 DT = torch.bfloat16
@@ -117,21 +118,7 @@ def check_capacity_graph(rank: int, W: int, group) -> None:
     def step():
         return torch.autograd.grad(ep(x), [x, *params], g)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = sync_free_capture(step)
     for _ in range(3):
         with torch.no_grad():
             x.copy_(torch.randn_like(x))

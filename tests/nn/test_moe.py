@@ -9,6 +9,7 @@ import torch
 
 from moekit.nn import MoELayer
 from moekit.reference.moe import moe_layer_ref
+from tests._cuda_step import sync_free_capture
 
 CONFIGS = [
     ("plain", dict()),
@@ -147,21 +148,7 @@ def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
     def step():
         return torch.autograd.grad(layer(x), [x, *params], g)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grads = step()
+    graph, static_grads = sync_free_capture(step)
     with torch.no_grad():
         x.copy_(torch.randn_like(x))
         g.copy_(torch.randn_like(g))
