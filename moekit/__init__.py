@@ -1,7 +1,7 @@
 """moekit: fused Triton kernels and PyTorch modules for training Mixture-of-Experts models."""
 
-from moekit import nn, ops
+from moekit import fusion, nn, ops
 from moekit.activations import Activation
 from moekit.version import VERSION as __version__
 
-__all__ = ["Activation", "__version__", "nn", "ops"]
+__all__ = ["Activation", "__version__", "fusion", "nn", "ops"]

@@ -15,6 +15,7 @@ __all__ = [
     "autotune_enabled",
     "cache_dir",
     "check_interpret_unchanged",
+    "fusion_spec",
     "interpret_mode",
     "lamport_slot_bytes",
     "symm_pool_bytes",
@@ -94,3 +95,10 @@ def allreduce_threshold_bytes(name: str) -> int | None:
     if name not in ALLREDUCE_THRESHOLDS:
         raise ValueError(f"name must be one of {ALLREDUCE_THRESHOLDS}, got {name!r}")
     return _kib(f"MOEKIT_AR_{name.upper()}_MAX_KB")
+
+
+def fusion_spec() -> str:
+    """``MOEKIT_FUSIONS``: comma-separated fusion rule names, each prefixed ``-`` (never apply
+    it) or ``+`` (apply it and warn, with its reason, where it declines); ``-all`` turns every
+    rule off. Read at each planning of a :class:`moekit.fusion.Sequential`."""
+    return os.environ.get("MOEKIT_FUSIONS", "")

@@ -47,7 +47,12 @@ from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
 from moekit.tuning import grouped_mlp as tuning
 
-__all__ = ["grouped_mlp"]
+__all__ = [
+    "grouped_mlp",
+    "grouped_mlp_backward",
+    "grouped_mlp_forward",
+    "grouped_mlp_unsupported",
+]
 
 # Backward runs its launches as one replayed segment (one pass of replay overhead instead of
 # three) when freeing h and the activation before the gradients are allocated would save at
@@ -716,3 +721,86 @@ def grouped_mlp(
             stacklevel=2,
         )
     return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
+
+
+def grouped_mlp_unsupported(
+    x: torch.Tensor, ffn_hidden_size: int, glu_interleave: int | None
+) -> str | None:
+    """Why :func:`grouped_mlp_forward` cannot run on tensors like ``x`` with this F and GLU
+    layout (None when it can): not a Triton device, or a layout the fused kernels do not
+    cover."""
+    if not use_triton(x):
+        return "needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)"
+    return _fused_unsupported(x, ffn_hidden_size, glu_interleave)
+
+
+def _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave) -> _Plan:
+    mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
+    plan = _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, glu_interleave, False)
+    if plan.unfused_reason is not None:
+        reason = plan.unfused_reason or "CPU tensors run the reference composition"
+        raise ValueError(f"the fused grouped MLP cannot run this call: {reason}")
+    return plan
+
+
+def grouped_mlp_forward(
+    x: torch.Tensor,  # [R, H]
+    offsets: torch.Tensor,  # [E]
+    w1: torch.Tensor,  # [E, 2F or F, H]
+    w2: torch.Tensor,  # [E, H, F]
+    probs: torch.Tensor | None = None,  # [R]
+    *,
+    activation: str | Activation = "swiglu",
+    glu_interleave: int | None = None,
+    b1: torch.Tensor | None = None,  # [E, 2F or F]
+    b2: torch.Tensor | None = None,  # [E, H]
+    store_h: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The fused forward of :func:`grouped_mlp` without autograd, for callers that run their
+    own backward (``moekit.fusion``): ``(y [R, H], h [R, 2F or F] pre-activation ([0, ·]
+    unless ``store_h``), a [R, F] = act(h) · probs)``. Inputs are validated as by
+    :func:`grouped_mlp`; a configuration only the unfused composition covers raises
+    ValueError (see :func:`grouped_mlp_unsupported`)."""
+    plan = _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave)
+    a = plan.act
+    return _forward(
+        x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
+        plan.interleave or 0, bool(store_h), plan.uid,
+    )  # fmt: skip
+
+
+def grouped_mlp_backward(
+    dy: torch.Tensor,  # [R, H]
+    x: torch.Tensor,  # [R, H] the forward's input
+    offsets: torch.Tensor,  # [E]
+    w1: torch.Tensor,  # [E, 2F or F, H]
+    w2: torch.Tensor,  # [E, H, F]
+    probs: torch.Tensor | None,  # [R]
+    h: torch.Tensor,  # [R, 2F or F] from grouped_mlp_forward
+    a: torch.Tensor,  # [R, F] from grouped_mlp_forward
+    *,
+    activation: str | Activation = "swiglu",
+    glu_interleave: int | None = None,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    needs: tuple[bool, bool, bool, bool, bool, bool] = (True,) * 6,
+) -> tuple[torch.Tensor | None, ...]:
+    """The fused backward matching :func:`grouped_mlp_forward`: ``(dx, dw1, dw2, dprobs,
+    db1, db2)`` for the gradients flagged in ``needs`` (same order), None elsewhere. A weight
+    with an fp32 ``main_grad`` gets its gradient added there (and None here)."""
+    plan = _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave)
+    act = plan.act
+    mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
+    bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+    needs = [bool(n) for n in needs]
+    needs[4] = needs[4] and b1 is not None
+    needs[5] = needs[5] and b2 is not None
+    if probs is None:
+        needs[3] = False
+    out = _backward(
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act.name, act.limit, act.alpha,
+        act.offset, plan.interleave or 0, needs, *bias_dtypes, False, plan.uid,
+    )  # fmt: skip
+    wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
+    # the custom op (not plain eager) returns an empty tensor for each gradient not computed
+    return tuple(t if want else None for t, want in zip(out, wanted))

@@ -27,6 +27,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
         ("benchmark_small_shapes.py", "small_shapes", False),
         ("benchmark_moe_layer.py", "moe_layer", False),
         ("benchmark_hf.py", "hf", False),
+        ("benchmark_fusion.py", "fusion", False),
     ],
 )
 def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):
@@ -45,3 +46,17 @@ def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):
     assert result["rows"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / f"{stem}.png").stat().st_size > 0
+
+
+@pytest.mark.dist
+def test_fusion_tensor_parallel_smoke(tmp_path):
+    # the --tp mode under torchrun: two gloo ranks on the CPU, the all-reduce rule applied
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(BENCHMARKS / "benchmark_fusion.py"), "--tp", "--smoke", "--out", str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "fusion_tp.json").read_text())
+    assert result["rows"] and all(r["applied"] for r in result["rows"])

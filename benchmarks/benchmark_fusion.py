@@ -1,0 +1,322 @@
+"""moekit.fusion.Sequential against the fused op it runs, called directly, and against its
+own unfused plan.
+
+    python benchmarks/benchmark_fusion.py --out bench_out [--smoke]
+    torchrun --nproc-per-node 2 benchmarks/benchmark_fusion.py --tp --out bench_out
+
+For each rule, a chain of basic ops is timed three ways, forward + backward:
+
+  sequential  the chain as a moekit.fusion.Sequential (the rule applies)
+  direct      the fused moekit op or module it stands for, called directly
+  unfused     the same Sequential with every rule off (fusions(disable=["all"]))
+
+Figures: host µs per call while the GPU is kept busy (the target: sequential ≤ direct +
+max(10 µs, 10 %)), eager µs of back-to-back calls, and GPU µs from a CUDA graph of 20 calls
+(sequential equal to direct within noise). Rules: grouped_mlp, add_rmsnorm (+
+rmsnorm_residual_grad), moe on one GPU; allreduce_add_rmsnorm with --tp under torchrun.
+Writes fusion.json and fusion.png under --out (fusion_tp.* with --tp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+from common import (
+    bench_ms,
+    error_line,
+    graph_us,
+    host_ms,
+    host_us_per_call,
+    pyplot,
+    save_figure,
+    sleep_cycles_per_ms,
+    write_json,
+)
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
+
+import moekit.fusion as mf
+from moekit.nn import MoELayer, RMSNorm, RowParallelLinear
+from moekit.ops import add_rmsnorm, grouped_mlp
+
+ROUNDS = 3
+DT = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the interpreter: no bf16
+
+
+def _step(fn, grads, leaves):
+    """One forward + backward of ``fn()`` against fixed output gradients, into fresh gradient
+    tensors of ``leaves`` (no accumulation into ``.grad``, which a CUDA graph cannot hold)."""
+
+    def step():
+        out = fn()
+        outs = out if isinstance(out, tuple) else (out,)
+        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+
+    return step
+
+
+def _grads(fn):
+    with torch.no_grad():
+        out = fn()
+    outs = out if isinstance(out, tuple) else (out,)
+    # from a CPU generator: a CUDA graph capture that fails (and is reported) leaves the CUDA
+    # generator unusable for the rest of the process
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs)
+
+
+def _unfused(step):
+    def run():
+        with mf.fusions(disable=["all"]):
+            step()
+
+    return run
+
+
+def mlp_case(rows, E, H, F, dev):
+    seq = mf.Sequential(
+        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
+        mf.GroupedLinear(E, F, H, device=dev, dtype=DT),
+    )  # fmt: skip
+    x = torch.randn(rows, H, device=dev, dtype=DT, requires_grad=True)
+    probs = torch.rand(rows, device=dev, dtype=DT, requires_grad=True)
+    counts = torch.distributions.Multinomial(rows, torch.rand(E)).sample().to(torch.int64)
+    offsets = counts.cumsum(0).to(torch.int32).to(dev)
+    w1, w2 = seq[0].weight, seq[2].weight
+
+    def direct():
+        return grouped_mlp(x, offsets, w1, w2, probs)
+
+    def sequential():
+        return seq(x, offsets, probs)
+
+    leaves = [x, probs, w1, w2]
+    return seq, (direct, leaves), (sequential, leaves)
+
+
+def norm_case(T, H, dev):
+    seq = mf.Sequential(
+        mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H, device=dev, dtype=DT)
+    )
+    x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    w = seq[2].weight
+
+    def direct():
+        return add_rmsnorm(x, r, w, 1e-6)
+
+    def sequential():
+        return seq(x, r)
+
+    leaves = [x, r, w]
+    return seq, (direct, leaves), (sequential, leaves)
+
+
+def moe_case(T, H, E, k, F, dev):
+    seq = mf.Sequential(
+        mf.Router(H, E, k, aux_loss_coeff=1e-2, device=dev, dtype=DT), mf.Permute(E),
+        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
+        mf.GroupedLinear(E, F, H, device=dev, dtype=DT), mf.Unpermute(),
+    )  # fmt: skip
+    layer = MoELayer(H, F, E, k, aux_loss_coeff=1e-2, device=dev, dtype=DT)
+    with torch.no_grad():
+        layer.router.weight.copy_(seq[0].weight)
+        layer.experts.fc1_weight.copy_(seq[2].weight)
+        layer.experts.fc2_weight.copy_(seq[4].weight)
+    x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    return (
+        seq,
+        (lambda: layer(x), [x, *layer.parameters()]),
+        (lambda: seq(x), [x, *seq.parameters()]),
+    )
+
+
+def _error(a, b) -> float:
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def measure(name, rule, seq, direct_case, sequential_case, smoke, cycles, graphs=True) -> dict:
+    (direct, direct_leaves), (sequential, seq_leaves) = direct_case, sequential_case
+    grads = _grads(direct)
+    # The two must agree before they are timed. No autograd graph may outlive this check: a
+    # graph kept alive across the CUDA-graph capture below would break it.
+    with torch.no_grad():
+        out_d, out_s = direct(), sequential()
+    out_d = out_d if isinstance(out_d, tuple) else (out_d,)
+    out_s = out_s if isinstance(out_s, tuple) else (out_s,)
+    err = max(_error(s, d) for s, d in zip(out_s, out_d))
+    plan = seq.plan(out_s[0].new_empty(0, _in_width(seq), dtype=DT))
+    fused = rule in plan.fused("forward") or rule in plan.fused("backward")
+    steps = {
+        "sequential": _step(sequential, grads, seq_leaves),
+        "direct": _step(direct, grads, direct_leaves),
+        "unfused": _unfused(_step(sequential, grads, seq_leaves)),
+    }
+    row = {"case": name, "rule": rule, "applied": fused, "output_rel_err": err}
+    if smoke:
+        for who, step in steps.items():
+            row[f"{who}_host_us"] = host_ms(step) * 1e3
+    else:
+        # Host time is noisy (other work on the machine): the contenders take turns, and each
+        # keeps its best round.
+        for _ in range(ROUNDS):
+            for who, step in steps.items():
+                us, covered = host_us_per_call(step, 100, cycles)
+                if us < row.get(f"{who}_host_us", math.inf):
+                    row[f"{who}_host_us"], row[f"{who}_host_covered"] = us, covered
+                eager = bench_ms(step) * 1e3
+                row[f"{who}_eager_us"] = min(eager, row.get(f"{who}_eager_us", math.inf))
+        for who, step in steps.items():
+            row[f"{who}_graph_us"] = math.nan
+            # GPU time alone, for the host-bound shapes (the others are GPU-bound eager)
+            if not graphs or who == "unfused" or row[f"{who}_eager_us"] > 2000:
+                continue
+            try:
+                row[f"{who}_graph_us"] = graph_us(step, calls=10)
+            except Exception as exc:  # a chain that cannot be captured
+                while exc.__context__ is not None:  # the error inside the capture
+                    exc = exc.__context__
+                row[f"{who}_graph_error"] = error_line(exc)
+                print(f"  {who}: no CUDA graph ({row[f'{who}_graph_error']})", flush=True)
+    d, s = row["direct_host_us"], row["sequential_host_us"]
+    row["host_budget_us"] = d + max(10.0, 0.1 * d)
+    row["host_target_met"] = s <= row["host_budget_us"]
+    if not smoke:
+        row["fused_speedup_eager"] = row["unfused_eager_us"] / row["sequential_eager_us"]
+    return row
+
+
+def _in_width(seq) -> int:
+    op = seq[0]
+    for attr in ("in_features", "hidden_size"):
+        if hasattr(op, attr):
+            return getattr(op, attr)
+    return op.weight.shape[-1] if hasattr(op, "weight") else 0
+
+
+def single_gpu_cases(smoke: bool, dev):
+    if smoke:
+        return [
+            ("mlp_tiny", "grouped_mlp", mlp_case(64, 4, 64, 64, dev)),
+            ("norm_tiny", "add_rmsnorm", norm_case(16, 64, dev)),
+            ("moe_tiny", "moe", moe_case(16, 64, 4, 2, 64, dev)),
+        ]
+    return [
+        ("mlp R=1024 E=8 H=1024 F=1024", "grouped_mlp", mlp_case(1024, 8, 1024, 1024, dev)),
+        ("mlp R=32768 E=64 H=2048 F=1024", "grouped_mlp", mlp_case(32768, 64, 2048, 1024, dev)),
+        ("moe T=256 H=2048 E=64 k=8 F=1024", "moe", moe_case(256, 2048, 64, 8, 1024, dev)),
+        ("moe T=8192 H=2048 E=64 k=8 F=1024", "moe", moe_case(8192, 2048, 64, 8, 1024, dev)),
+        ("add_rmsnorm T=256 H=4096", "add_rmsnorm", norm_case(256, 4096, dev)),
+        ("add_rmsnorm T=16384 H=4096", "add_rmsnorm", norm_case(16384, 4096, dev)),
+    ]
+
+
+def tp_cases(dev, smoke: bool):
+    import torch.distributed as dist
+
+    W, rank = dist.get_world_size(), dist.get_rank()
+    cases = []
+    for T, H in ((16, 64),) if smoke else ((256, 4096), (4096, 4096)):
+        dt = torch.float32 if smoke else DT
+        seq = mf.Sequential(
+            mf.Linear(H, H, mode="row", device=dev, dtype=dt), mf.AllReduce(),
+            mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H, device=dev, dtype=dt),
+        )  # fmt: skip
+        row = RowParallelLinear(H, H, norm=RMSNorm(H, device=dev, dtype=dt), device=dev, dtype=dt)
+        with torch.no_grad():
+            row.weight.copy_(seq[0].weight)
+        g = torch.Generator(device=dev).manual_seed(rank)
+        x = torch.randn(T, H // W, device=dev, dtype=dt, generator=g, requires_grad=True)
+        r = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
+        direct = (lambda row=row, x=x, r=r: row(x, r), [x, r, *row.parameters()])
+        sequential = (lambda seq=seq, x=x, r=r: seq(x, r), [x, r, *seq.parameters()])
+        cases.append(
+            (f"allreduce T={T} H={H} W={W}", "allreduce_add_rmsnorm", (seq, direct, sequential))
+        )
+    return cases
+
+
+def print_table(rows: list[dict], smoke: bool) -> None:
+    cols = ["sequential_host_us", "direct_host_us", "host_budget_us"]
+    if not smoke:
+        cols += [
+            "sequential_graph_us",
+            "direct_graph_us",
+            "sequential_eager_us",
+            "unfused_eager_us",
+        ]
+    print("\n" + " | ".join(["case", "rule", *cols, "target", "fused x"]))
+    for r in rows:
+        vals = [f"{r.get(c, math.nan):.1f}" for c in cols]
+        speed = f"{r['fused_speedup_eager']:.2f}" if "fused_speedup_eager" in r else "-"
+        print(
+            " | ".join(
+                [r["case"], r["rule"], *vals, "met" if r["host_target_met"] else "MISSED", speed]
+            )
+        )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(10, 4))
+    names = [r["case"] for r in rows]
+    xs = range(len(rows))
+    for i, who in enumerate(("direct", "sequential", "unfused")):
+        ax.bar(
+            [x + (i - 1) * 0.27 for x in xs], [r[f"{who}_host_us"] for r in rows], 0.27, label=who
+        )
+    ax.plot(xs, [r["host_budget_us"] for r in rows], "k_", markersize=20, label="target")
+    ax.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=7)
+    ax.set_ylabel("host µs per forward + backward")
+    ax.set_title("moekit.fusion.Sequential vs the fused op called directly")
+    ax.legend()
+    save_figure(fig, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_out")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
+    ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
+    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    if args.tp:
+        import torch.distributed as dist
+
+        from moekit.distributed import init_distributed
+
+        init_distributed()
+        dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        cases = tp_cases(dev, args.smoke or not cuda)
+    else:
+        dev = torch.device("cuda" if cuda else "cpu")
+        cases = single_gpu_cases(args.smoke or not cuda, dev)
+    smoke = args.smoke or not cuda
+    cycles = sleep_cycles_per_ms() if cuda else None
+    rows = []
+    for name, rule, (seq, direct, sequential) in cases:
+        if args.only not in name:
+            continue
+        print(f"{name}: {rule}", flush=True)
+        print("  " + str(seq.plan()).replace("\n", "\n  "), flush=True)
+        rows.append(measure(name, rule, seq, direct, sequential, smoke, cycles, not args.tp))
+        if cuda:
+            torch.cuda.empty_cache()  # the CUDA graphs' memory pools
+    if args.tp and dist.get_rank() != 0:
+        return
+    stem = "fusion_tp" if args.tp else "fusion"
+    device = torch.cuda.get_device_name() if cuda else "cpu"
+    write_json(os.path.join(args.out, f"{stem}.json"), {"device": device, "rows": rows}, True)
+    plot(rows, os.path.join(args.out, f"{stem}.png"))
+    print_table(rows, smoke)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""``Linear`` (optionally tensor-parallel) and ``Bias`` basic ops."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.fusion.op import BasicOp, OpContext
+
+__all__ = ["Bias", "Linear"]
+
+MODES = (None, "column", "row")
+
+
+def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def accumulate_weight_grad(w: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | None:
+    """``dw`` as the gradient of ``w``, or added into ``w.main_grad`` (fp32) when it has one."""
+    mg = getattr(w, "main_grad", None)
+    if mg is None:
+        return dw
+    mg.add_(dw)
+    return None
+
+
+class Linear(BasicOp):
+    """``y = x @ weightᵀ (+ bias)`` over the last dim of ``x [..., in]``.
+
+    ``mode=None``: ``weight [out, in]``. Tensor-parallel over ``group`` (W ranks, Megatron's
+    layouts): ``mode="column"``: this rank holds ``out/W`` rows of the weight, ``x`` is
+    replicated and the output is this rank's slice; the input gradient is all-reduced over the
+    group. ``mode="row"``: this rank holds ``in/W`` columns, ``x`` is this rank's slice of the
+    input and the output is a partial sum (follow it with :class:`AllReduce`; a bias goes
+    after that, as :class:`Bias`).
+
+    Context: ``x`` (the input).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        *,
+        mode: str | None = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        world, _ = _group_size_rank(group) if mode else (1, 0)
+        if mode == "row" and bias:
+            raise ValueError("a row-parallel Linear has no bias: add Bias after the AllReduce")
+        split = {"column": out_features, "row": in_features}.get(mode or "", 0)
+        if split % world:
+            what = "out_features" if mode == "column" else "in_features"
+            raise ValueError(f"{what} = {split} must be divisible by the group size {world}")
+        self.in_features, self.out_features, self.mode, self.group = (
+            in_features, out_features, mode, group,
+        )  # fmt: skip
+        local_out = out_features // world if mode == "column" else out_features
+        local_in = in_features // world if mode == "row" else in_features
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, **kw))
+        self.bias = nn.Parameter(torch.empty(local_out, **kw)) if bias else None
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.weight.shape[1]:
+            raise ValueError(
+                f"Linear: x.shape[-1] must be {self.weight.shape[1]} (in_features"
+                f"{'/W' if self.mode == 'row' else ''}), got {x.shape[-1]}"
+            )
+
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+        self._check(x)
+        ctx.x = x
+        return F.linear(x, self.weight, self.bias), None
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+        x, w = ctx.x, self.weight
+        dx = None
+        if ctx.needs_input_grad:
+            dx = dy @ w
+            if self.mode == "column" and _group_size_rank(self.group)[0] > 1:
+                dist.all_reduce(dx, group=self.group)
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        dw = accumulate_weight_grad(w, dy2.t() @ x2) if w.requires_grad else None
+        db = None
+        if self.bias is not None and self.bias.requires_grad:
+            db = dy2.sum(0, dtype=torch.float32).to(self.bias.dtype)
+        return dx, {}, (dw, db) if self.bias is not None else (dw,)
+
+    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
+        if self.mode == "column" and _group_size_rank(self.group)[0] > 1:
+            x = _ColumnInputRef.apply(x, self.group)
+        return F.linear(x, self.weight, self.bias), {}
+
+    def extra_repr(self) -> str:
+        mode = f", mode={self.mode!r}" if self.mode else ""
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}{mode}"
+        )
+
+
+class _ColumnInputRef(torch.autograd.Function):
+    """The input of a column-parallel layer: identity forward, all-reduced gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class Bias(BasicOp):
+    """``y = x + bias`` over the last dim (``bias [features]``). Context: nothing."""
+
+    def __init__(
+        self,
+        features: int,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(features, bool) or not isinstance(features, int) or features < 1:
+            raise ValueError(f"features must be a positive int, got {features!r}")
+        self.bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+        return x + self.bias, None
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+        db = None
+        if self.bias.requires_grad:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(self.bias.dtype)
+        return dy, {}, (db,)
+
+    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
+        return x + self.bias, {}

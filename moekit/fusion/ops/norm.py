@@ -1,0 +1,116 @@
+"""``RMSNorm`` and ``LayerNorm`` basic ops over the last dim."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moekit.fusion.op import BasicOp, OpContext
+from moekit.ops.rmsnorm import add_rmsnorm_backward, add_rmsnorm_forward, validate_norm_inputs
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+def _check_hidden(hidden_size: object) -> int:
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+        raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+    return hidden_size
+
+
+def rows(t: torch.Tensor) -> torch.Tensor:
+    """``t [..., H]`` as contiguous ``[T, H]`` rows (a view when it already is contiguous)."""
+    return t.reshape(-1, t.shape[-1]) if t.is_contiguous() else t.contiguous().view(-1, t.shape[-1])
+
+
+class RMSNorm(BasicOp):
+    """``y = x · rsqrt(mean(x²) + eps) · weight`` (fp32 inside; moekit's kernel on the GPU).
+
+    Context: ``x`` (the input as ``[T, H]`` rows) and ``rstd [T]`` fp32."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = _check_hidden(hidden_size)
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+        x2 = rows(x)
+        validate_norm_inputs(x2, None, self.weight, self.eps)
+        y, _, rstd = add_rmsnorm_forward(x2, None, self.weight, self.eps, True)
+        ctx.x, ctx.rstd = x2, rstd
+        return y.view(x.shape), None
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+        return self.backward_with_residual(ctx, dy, None)
+
+    def backward_with_residual(
+        self, ctx: OpContext, dy: torch.Tensor, d_residual: torch.Tensor | None
+    ) -> tuple:
+        """The backward, plus the gradient ``d_residual`` of the norm's input taken elsewhere
+        (e.g. a residual stream) added into dx in the same kernel."""
+        d2 = None if d_residual is None else rows(d_residual.to(dy.dtype))
+        dx, dw = add_rmsnorm_backward(rows(dy), d2, ctx.x, self.weight, ctx.rstd)
+        return dx.view(dy.shape), {}, (dw if self.weight.requires_grad else None,)
+
+    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return y.to(x.dtype), {}
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(BasicOp):
+    """``torch.nn.functional.layer_norm`` over the last dim (``weight``, optional ``bias``).
+
+    Context: ``x`` (the input)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        self.hidden_size = _check_hidden(hidden_size)
+        self.eps = float(eps)
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.ones(hidden_size, **kw))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, **kw)) if bias else None
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+        ctx.x = x
+        return self._norm(x), None
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+        params = [p for p in self.parameters()]
+        with torch.enable_grad():
+            xl = ctx.x.detach().requires_grad_()
+            wrt = [xl] + [p for p in params if p.requires_grad]
+            got = list(torch.autograd.grad(self._norm(xl), wrt, dy))
+        dx = got.pop(0)
+        return dx, {}, tuple(got.pop(0) if p.requires_grad else None for p in params)
+
+    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
+        xf = x.float()
+        w = self.weight.float()
+        b = None if self.bias is None else self.bias.float()
+        return F.layer_norm(xf, (self.hidden_size,), w, b, self.eps).to(x.dtype), {}
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, bias={self.bias is not None}"

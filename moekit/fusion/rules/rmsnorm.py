@@ -1,0 +1,58 @@
+"""Rules around RMSNorm and the residual stream.
+
+- ``add_rmsnorm`` (forward): AddExtraInput → MakeExtraOutput → RMSNorm as one kernel that adds
+  the residual, writes the sum and normalises it.
+- ``rmsnorm_residual_grad`` (backward): MakeExtraOutput → RMSNorm's backward with the residual
+  stream's gradient added in the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moekit.fusion.op import FusedOp, OpContext
+from moekit.fusion.ops.extras import AddExtraInput, MakeExtraOutput
+from moekit.fusion.ops.norm import RMSNorm, rows
+from moekit.fusion.plan import Facts
+from moekit.fusion.registry import register_fusion
+from moekit.ops.rmsnorm import add_rmsnorm_forward, validate_norm_inputs
+
+__all__ = ["FusedAddRMSNorm", "FusedRMSNormResidualGrad"]
+
+
+class FusedAddRMSNorm(FusedOp):
+    """``residual_out = x + residual``; ``y = RMSNorm(residual_out)`` in one kernel. Leaves
+    RMSNorm's context (its input ``residual_out`` and ``rstd``)."""
+
+    def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: dict) -> tuple:
+        add, make, norm = self.ops
+        r = add.other(x, extras)
+        x2, r2 = rows(x), rows(r)
+        validate_norm_inputs(x2, r2, norm.weight, norm.eps)
+        y, ro, rstd = add_rmsnorm_forward(x2, r2, norm.weight, norm.eps, True)
+        ctxs[2].x, ctxs[2].rstd = ro, rstd
+        return y.view(x.shape), {make.name: ro.view(x.shape)}
+
+
+class FusedRMSNormResidualGrad(FusedOp):
+    """RMSNorm's backward with the gradient of the residual stream (MakeExtraOutput's extra)
+    added into dx inside the kernel."""
+
+    def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: dict) -> tuple:
+        make, norm = self.ops
+        dx, _, params = norm.backward_with_residual(ctxs[1], dy, grads.get(make.name))
+        return dx, {}, ((), params)
+
+
+@register_fusion(
+    name="add_rmsnorm", pattern=(AddExtraInput, MakeExtraOutput, RMSNorm), passes=("forward",)
+)
+def add_rmsnorm_rule(ops, facts: Facts):
+    return FusedAddRMSNorm(ops)
+
+
+@register_fusion(
+    name="rmsnorm_residual_grad", pattern=(MakeExtraOutput, RMSNorm), passes=("backward",)
+)
+def rmsnorm_residual_grad_rule(ops, facts: Facts):
+    return FusedRMSNormResidualGrad(ops)

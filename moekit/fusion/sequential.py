@@ -1,0 +1,354 @@
+"""``moekit.fusion.Sequential``: a chain of basic ops run with whatever fusions apply.
+
+Autograd runs at the pipeline level: one autograd node for the whole chain, whose forward runs
+the forward plan and whose backward runs the backward plan, so the two passes may fuse
+different windows (see :mod:`moekit.fusion.plan`).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from moekit.fusion.op import BasicOp, OpContext, add_grad
+from moekit.fusion.plan import Facts, Plan, make_plan
+from moekit.fusion.registry import settings_key
+from moekit.ops.custom_op import eager_shortcut, function_apply
+from moekit.runtime.device import use_triton
+
+__all__ = ["Sequential"]
+
+_MAX_PLANS = 64
+
+# Bumped whenever any module registers a parameter (``op.weight = Parameter(...)``,
+# ``load_state_dict(assign=True)``): a Sequential then collects its parameters again.
+_param_generation = [0]
+
+
+def _on_parameter_registered(module, name, param):
+    _param_generation[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+
+
+class _Program:
+    """A plan turned into the calls each pass makes."""
+
+    __slots__ = ("bwd", "fwd", "n_ops", "plan", "slices")
+
+    def __init__(self, plan: Plan, slices: tuple[tuple[int, int], ...]) -> None:
+        self.plan, self.slices, self.n_ops = plan, slices, len(plan.ops)
+        self.fwd = tuple(_forward_call(s.lo, s.hi, s.runner) for s in plan.forward)
+        self.bwd = tuple(
+            (_backward_call(s.lo, s.hi, s.runner), s.lo) for s in reversed(plan.backward)
+        )
+
+
+def _forward_call(lo: int, hi: int, runner: Any) -> Callable:
+    if isinstance(runner, BasicOp):
+        return lambda ctxs, x, env: runner.op_forward(ctxs[lo], x, env)
+    return lambda ctxs, x, env: runner.fuser_forward(ctxs[lo:hi], x, env)
+
+
+def _backward_call(lo: int, hi: int, runner: Any) -> Callable:
+    if isinstance(runner, BasicOp):
+
+        def basic(ctxs, dy, grads):
+            dx, input_grads, param_grads = runner.op_backward(ctxs[lo], dy, grads)
+            return dx, input_grads, (param_grads,)
+
+        return basic
+    return lambda ctxs, dy, grads: runner.fuser_backward(ctxs[lo:hi], dy, grads)
+
+
+def _run_forward(
+    prog: _Program, x: torch.Tensor, env: dict, first_needs_grad: bool = False, saving=False
+) -> tuple[torch.Tensor, list]:
+    ctxs = [OpContext(saving) for _ in range(prog.n_ops)]
+    ctxs[0].needs_input_grad = first_needs_grad
+    for call in prog.fwd:
+        x, made = call(ctxs, x, env)
+        if made:
+            env.update(made)
+    return x, ctxs
+
+
+class _Call:
+    """One call's state, handed to the autograd Function (non-tensor arguments and results)."""
+
+    __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "tensor_names")
+
+    def __init__(self, prog, env, tensor_names, out_names) -> None:
+        self.prog, self.env, self.tensor_names, self.out_names = prog, env, tensor_names, out_names
+        self.ctxs: list[OpContext] = []
+        self.out_values: list[Any] = []
+
+
+class _PipelineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, call: _Call, x: torch.Tensor, *args: torch.Tensor):
+        env = call.env
+        for name, t in zip(call.tensor_names, args):
+            env[name] = t
+        y, ctxs = _run_forward(call.prog, x, env, ctx.needs_input_grad[1], True)
+        call.ctxs = ctxs
+        ctx.call = call
+        outs = [env[n] for n in call.out_names]
+        call.out_values = outs
+        tensors = [y, *(o for o in outs if isinstance(o, torch.Tensor))] if outs else [y]
+        inputs = (x, *args)
+        for i, t in enumerate(tensors):
+            if t.requires_grad:
+                # made by a recorded graph (RecordedGraph): autograd would re-point its
+                # grad_fn at this node, looping the graph's own backward into this one
+                t = tensors[i] = t.detach()
+            # one output per tensor object, none of them an input
+            if any(t is u for u in inputs) or any(t is u for u in tensors[:i]):
+                tensors[i] = t.clone()
+        ctx.main_meta = (y.shape, y.dtype, y.device)
+        if outs:
+            ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
+        ctx.set_materialize_grads(False)
+        return tuple(tensors)
+
+    @staticmethod
+    @once_differentiable  # a double backward raises instead of giving wrong answers
+    def backward(ctx, dy: torch.Tensor | None, *douts: torch.Tensor | None):
+        call: _Call = ctx.call
+        prog, ctxs = call.prog, call.ctxs
+        if not ctxs:
+            raise RuntimeError(
+                "moekit.fusion.Sequential: a second backward through the same graph "
+                "(retain_graph=True) is not supported; its saved state is freed by the first"
+            )
+        grads: dict[str, Any] = {}
+        if douts:
+            names = [
+                n for n, v in zip(call.out_names, call.out_values) if isinstance(v, torch.Tensor)
+            ]
+            for n, g in zip(names, douts):
+                if g is not None:
+                    grads[n] = g
+        if dy is None:  # the main output took no part in the loss
+            shape, dtype, device = ctx.main_meta
+            dy = torch.zeros(shape, dtype=dtype, device=device)
+        param_grads: list[Any] = [None] * (prog.slices[-1][1] if prog.slices else 0)
+        for call_bwd, lo in prog.bwd:
+            dy, input_grads, per_op = call_bwd(ctxs, dy, grads)
+            for name, g in input_grads.items():
+                add_grad(grads, name, g)
+            for k, pg in enumerate(per_op):
+                start, end = prog.slices[lo + k]
+                if len(pg) != end - start:
+                    raise RuntimeError(
+                        f"moekit.fusion: the backward of op {lo + k} "
+                        f"({type(prog.plan.ops[lo + k]).__name__}) returned {len(pg)} "
+                        f"parameter gradients for its {end - start} parameters"
+                    )
+                param_grads[start:end] = pg
+        call.ctxs = []  # free the saved state
+        extra = [grads.get(n) for n in call.tensor_names]
+        return (None, dy, *extra, *param_grads)
+
+
+_apply_pipeline = function_apply(_PipelineFn)
+
+
+class Sequential(nn.Module):
+    """A chain of :class:`moekit.fusion.BasicOp` s (positionally, or an ``OrderedDict`` of
+    named ops) that runs fused ops wherever a registered rule applies.
+
+    ``forward(x, *extra_inputs, **named_extra_inputs)``: ``x`` is the main input; the extra
+    inputs are those the ops read that no earlier op makes, in order of first use
+    (:attr:`extra_input_names`), positionally or by name. Returns the main output, or
+    ``(main, *extra_outputs)`` when ops make extras no later op reads
+    (:attr:`extra_output_names`).
+
+    Fused ops own no parameters: the state dict, the parameters an optimizer sees and every
+    result are the same whichever fusions run (up to rounding). :meth:`plan` shows what runs.
+    """
+
+    def __init__(self, *ops: BasicOp | OrderedDict) -> None:
+        super().__init__()
+        if len(ops) == 1 and isinstance(ops[0], OrderedDict):
+            named = list(ops[0].items())
+        else:
+            named = [(str(i), op) for i, op in enumerate(ops)]
+        if not named:
+            raise ValueError("Sequential needs at least one op")
+        for name, op in named:
+            if not isinstance(op, BasicOp):
+                raise TypeError(
+                    f"op {name!r} must be a moekit.fusion basic op, got {type(op).__name__}"
+                )
+            self.add_module(name, op)
+        self.ops: tuple[BasicOp, ...] = tuple(op for _, op in named)
+        self.extra_input_names, self.extra_output_names = _wire(self.ops)
+        self._programs: OrderedDict[tuple, _Program] = OrderedDict()
+        self._refresh_params()
+
+    def __getitem__(self, i: int) -> BasicOp:
+        return self.ops[i]
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def _refresh_params(self) -> None:
+        params: list[nn.Parameter] = []
+        slices = []
+        for op in self.ops:
+            own = list(op.parameters())
+            slices.append((len(params), len(params) + len(own)))
+            params += own
+        params, slices = tuple(params), tuple(slices)
+        self._params_generation = _param_generation[0]
+        old = getattr(self, "_params", None)
+        if old is not None and len(old) == len(params) and all(map(operator.is_, old, params)):
+            return  # another module's parameter: the plans hold
+        self._params, self._slices = params, slices
+        self._programs.clear()
+
+    def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change
+        out = super()._apply(fn, recurse)
+        self._refresh_params()
+        return out
+
+    # --- planning ---------------------------------------------------------------------------
+
+    def _facts(self, x: torch.Tensor, requires_grad: bool) -> Facts:
+        return Facts(x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, use_triton(x))
+
+    def _program(self, x: torch.Tensor, requires_grad: bool) -> _Program:
+        key = (x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, settings_key())
+        prog = self._programs.get(key)
+        if prog is not None:
+            self._programs.move_to_end(key)
+        else:
+            prog = _Program(make_plan(self.ops, self._facts(x, requires_grad)), self._slices)
+            if len(self._programs) >= _MAX_PLANS:
+                self._programs.popitem(last=False)
+            self._programs[key] = prog
+        return prog
+
+    def plan(
+        self,
+        x: torch.Tensor | None = None,
+        *,
+        requires_grad: bool | None = None,
+    ) -> Plan:
+        """The plan a call with main input ``x`` runs (default: an input of the parameters'
+        dtype and device). ``str(plan)`` lists each pass's steps and every decline with its
+        reason."""
+        if x is None:
+            p = self._params[0] if self._params else None
+            x = torch.empty(
+                0, _hidden_hint(self.ops), dtype=p.dtype if p is not None else None,
+                device=p.device if p is not None else None,
+            )  # fmt: skip
+        if requires_grad is None:
+            requires_grad = True
+        return self._program(x, requires_grad).plan
+
+    def extra_repr(self) -> str:
+        try:
+            text = str(self.plan())
+        except Exception as e:  # a repr must not raise; say why there is no plan
+            text = f"no plan: {e}"
+        return "plan:\n  " + text.replace("\n", "\n  ")
+
+    # --- running ----------------------------------------------------------------------------
+
+    def _extras(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        names = self.extra_input_names
+        if len(args) > len(names):
+            raise TypeError(
+                f"Sequential takes {len(names)} extra input(s) {names}, got {len(args)}"
+            )
+        env = dict(zip(names, args))
+        for k, v in kwargs.items():
+            if k not in names:
+                raise TypeError(f"unexpected extra input {k!r}; this chain reads {names}")
+            if k in env:
+                raise TypeError(f"extra input {k!r} given both by position and by name")
+            env[k] = v
+        if len(env) != len(names):
+            missing = [n for n in names if n not in env]
+            raise TypeError(f"missing extra input(s) {missing}; this chain reads {names}")
+        return env
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if self._params_generation != _param_generation[0]:
+            self._refresh_params()
+        env = self._extras(args, kwargs) if (args or kwargs or self.extra_input_names) else {}
+        tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
+        tensors = [env[n] for n in tensor_names]
+        requires_grad = False
+        if torch.is_grad_enabled():
+            for t in (x, *self._params, *tensors):
+                if t.requires_grad:
+                    requires_grad = True
+                    break
+        prog = self._program(x, requires_grad)
+        out_names = self.extra_output_names
+        if not requires_grad:
+            y, _ = _run_forward(prog, x, env)
+            return (y, *(env[n] for n in out_names)) if out_names else y
+        call = _Call(prog, env, tensor_names, out_names)
+        for n in tensor_names:
+            del env[n]
+        if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
+            outs = _apply_pipeline.direct(call, x, *tensors, *self._params)
+        else:
+            outs = _PipelineFn.apply(call, x, *tensors, *self._params)
+        if not out_names:
+            return outs[0]
+        it = iter(outs[1:])
+        extra = [next(it) if isinstance(v, torch.Tensor) else v for v in call.out_values]
+        return (outs[0], *extra)
+
+    def reference(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The chain in plain differentiable PyTorch, op by op (each op's ``reference``): the
+        oracle the fused and unfused runs are tested against."""
+        env = self._extras(args, kwargs)
+        for op in self.ops:
+            x, made = op.reference(x, env)
+            env.update(made)
+        out_names = self.extra_output_names
+        return (x, *(env[n] for n in out_names)) if out_names else x
+
+
+def _hidden_hint(ops: tuple[BasicOp, ...]) -> int:
+    """The main input's last dim as the first op expects it (for plan() without an input)."""
+    op = ops[0]
+    return int(getattr(op, "in_features", None) or getattr(op, "hidden_size", 0) or 0)
+
+
+def _wire(ops: tuple[BasicOp, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(extra inputs the caller passes, extra outputs returned), checked for consistency."""
+    made: dict[str, int] = {}
+    inputs: list[str] = []
+    for i, op in enumerate(ops):
+        for n in op.extra_inputs:
+            if n not in made and n not in inputs:
+                inputs.append(n)
+        for n in op.extra_outputs:
+            if n in made:
+                raise ValueError(f"extra {n!r} is made by op {made[n]} and again by op {i}")
+            if n in inputs:
+                raise ValueError(
+                    f"extra {n!r} is read before op {i} ({type(op).__name__}) makes it"
+                )
+            made[n] = i
+    outputs = tuple(
+        n for n, i in made.items() if not any(n in op.extra_inputs for op in ops[i + 1 :])
+    )
+    return tuple(inputs), outputs

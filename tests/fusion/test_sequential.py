@@ -1,0 +1,890 @@
+"""moekit.fusion.Sequential's API: plans (deterministic, cached, declines with reasons), state
+dicts, extra inputs and outputs, no_grad, main_grad, the rule settings (``MOEKIT_FUSIONS`` and
+:func:`moekit.fusion.fusions`), the registry (``register_fusion`` / ``unregister_fusion``,
+priorities, forward- and backward-only rules), and chains no rule fuses against their
+reference. fp32 on the CPU; the grouped-MLP kernels run under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import moekit.fusion as mf
+from moekit.config import interpret_mode
+from moekit.fusion import (
+    Decline,
+    FusedOp,
+    fusions,
+    register_fusion,
+    registered_rules,
+    unregister_fusion,
+)
+from moekit.fusion import registry as fusion_registry
+from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
+
+# the router kernel's masked lanes divide by zero in Triton's interpreter (numpy warns; the
+# lanes are discarded)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered in divide"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered in divide"),
+]
+
+needs_interpret = pytest.mark.skipif(
+    not interpret_mode(), reason="the grouped MLP kernels need TRITON_INTERPRET=1 on the CPU"
+)
+
+H, F_, E = 32, 48, 3
+
+
+def _offsets(ends) -> torch.Tensor:
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+def _mlp(act=None, inter=None, bias=False, fc2_out=H) -> mf.Sequential:
+    act = act or mf.ScaledSwiGLU
+    return mf.Sequential(
+        mf.GroupedLinear(E, H, 2 * F_, bias=bias), act(glu_interleave=inter),
+        mf.GroupedLinear(E, F_, fc2_out, bias=bias),
+    )  # fmt: skip
+
+
+def _norm_chain(lin_in: int = 16, Hn: int = H) -> mf.Sequential:
+    seq = mf.Sequential(
+        mf.Linear(lin_in, Hn, bias=True), mf.AddExtraInput("residual"),
+        mf.MakeExtraOutput("residual_out"), mf.RMSNorm(Hn),
+    )  # fmt: skip
+    with torch.no_grad():
+        seq[3].weight.copy_(1 + 0.2 * torch.randn(Hn))
+    return seq
+
+
+def _mlp_then_norm() -> mf.Sequential:
+    """Two independent fusion sites: grouped_mlp on [0:3], add_rmsnorm on [3:6]."""
+    return mf.Sequential(
+        mf.GroupedLinear(E, H, 2 * F_), mf.SwiGLU(), mf.GroupedLinear(E, F_, H),
+        mf.AddExtraInput("residual"), mf.MakeExtraOutput("residual_out"), mf.RMSNorm(H),
+    )  # fmt: skip
+
+
+def _fused(plan) -> tuple[list, list]:
+    return plan.fused("forward"), plan.fused("backward")
+
+
+NORM_PLAN = """\
+forward:
+  [0] Linear
+  [1:4] add_rmsnorm(AddExtraInput, MakeExtraOutput, RMSNorm)
+backward:
+  [0] Linear
+  [1] AddExtraInput
+  [2:4] rmsnorm_residual_grad(MakeExtraOutput, RMSNorm)"""
+
+
+@pytest.fixture
+def add_rule():
+    """register_fusion for the test; every rule it added is unregistered afterwards (even on
+    failure) so the registry other tests see is the built-in one."""
+    added: list[str] = []
+
+    def add(fn, **kw):
+        register_fusion(fn, **kw)
+        added.append(kw["name"])
+        return fn
+
+    yield add
+    for name in added:
+        with contextlib.suppress(ValueError):  # a test may have unregistered it itself
+            unregister_fusion(name)
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The forced-rule warnings are once per (rule, reason) per process: start from none."""
+    monkeypatch.setattr(fusion_registry, "_warned", set())
+
+
+# --- plans ------------------------------------------------------------------------------------
+
+
+def test_plan_text_is_deterministic_and_cached():
+    a, b = _norm_chain(), _norm_chain()
+    x = torch.randn(5, 16)
+    assert str(a.plan(x)) == str(b.plan(x)) == NORM_PLAN
+    a(x.clone().requires_grad_(), torch.randn(5, H))
+    pa = a.plan(x)
+    # a second call runs the cached plan, whatever its token count
+    a(torch.randn(9, 16, requires_grad=True), torch.randn(9, H))
+    assert a.plan(x) is pa
+    assert a.plan(torch.randn(11, 16)) is pa
+    # another rule setting is another plan; leaving and re-entering the block finds it again
+    with fusions(disable=["all"]):
+        off = a.plan(x)
+    assert off is not pa and _fused(off) == ([], [])
+    with fusions(disable=["all"]):
+        assert a.plan(x) is off
+    assert a.plan(x) is pa
+    # a different rank (3-d input) is a separate, equally fused plan
+    p3 = a.plan(torch.randn(2, 5, 16))
+    assert p3 is not pa and str(p3) == NORM_PLAN
+
+
+def test_plan_cache_survives_building_another_module():
+    a = _norm_chain()
+    x, r = torch.randn(5, 16, requires_grad=True), torch.randn(5, H)
+    a(x, r)
+    pa = a.plan(x)
+    nn.Linear(4, 4)  # unrelated to a
+    a(x, r)
+    assert a.plan(x) is pa
+
+
+@needs_interpret
+def test_plan_with_declines_is_deterministic():
+    """Two identically built chains whose planning passes through a decline print the same
+    plan, declines included, in a fixed format."""
+
+    def build():
+        return mf.Sequential(
+            mf.Router(H, E, 2), mf.Permute(E), mf.GroupedLinear(E, H, 2 * F_), mf.ScaledSwiGLU(),
+            mf.GroupedLinear(E, F_, H), mf.Unpermute(weighted=True),
+        )  # fmt: skip
+
+    x = torch.randn(4, H)
+    s1, s2 = str(build().plan(x)), str(build().plan(x))
+    assert s1 == s2
+    assert "  [2:5] grouped_mlp(GroupedLinear, ScaledSwiGLU, GroupedLinear)" in s1
+    assert (
+        "declined in forward at [0:6]: moe (the probs scale both the activation and the "
+        "unpermute)" in s1
+    )
+
+
+@needs_interpret
+@pytest.mark.parametrize("case", ["interleave4", "widths", "experts", "three_d"], ids=lambda c: c)
+def test_grouped_mlp_declines_with_reason_and_still_runs(case):
+    """A declined grouped_mlp is listed with its reason, and the basic ops it leaves to run
+    still compute the chain (checked against the reference where the chain can run)."""
+    if case == "interleave4":  # a GLU layout finer than the smallest GEMM tile
+        seq, reason = _mlp(mf.SwiGLU, inter=4), "glu_interleave = 4 is not a multiple of 16"
+    elif case == "widths":  # fc2 does not map back to fc1's input width
+        seq, reason = _mlp(mf.GeGLU, fc2_out=2 * H), "widths do not chain"
+    elif case == "experts":
+        seq = mf.Sequential(
+            mf.GroupedLinear(E, H, 2 * F_), mf.SwiGLU(), mf.GroupedLinear(E + 1, F_, H)
+        )
+        reason = f"fc1 has {E} experts, fc2 {E + 1}"
+    else:  # rows given as [B, S, H]: the fused kernels take [R, H]
+        seq, reason = _mlp(mf.SwiGLU), "the rows must be [R, H], got a 3-d input"
+    x = torch.randn(2, 7, H) if case == "three_d" else torch.randn(14, H)
+    plan = seq.plan(x)
+    assert _fused(plan) == ([], [])
+    declined = [d for d in plan.declined if d.rule == "grouped_mlp"]
+    assert [(d.pass_, d.lo, d.hi) for d in declined] == [("forward", 0, 3)]
+    assert reason in declined[0].reason
+    assert f"declined in forward at [0:3]: grouped_mlp ({declined[0].reason})" in str(plan)
+    if case in ("interleave4", "widths"):
+        check_all_modes(seq, x, [_offsets([4, 4, 12])])
+
+
+@needs_interpret
+def test_moe_decline_probs_read_twice():
+    """moe declines ScaledSwiGLU + Unpermute(weighted=True) (the probs would scale twice);
+    grouped_mlp fuses the middle, and the gradient of Permute's probs, read by two ops, is
+    the sum of both (checked against the reference)."""
+    seq = mf.Sequential(
+        mf.Router(H, 4, 2), mf.Permute(4), mf.GroupedLinear(4, H, 2 * F_), mf.ScaledSwiGLU(),
+        mf.GroupedLinear(4, F_, H), mf.Unpermute(weighted=True),
+    )  # fmt: skip
+    fused, _, _ = check_all_modes(seq, torch.randn(12, H))
+    assert _fused(fused.plan) == (["grouped_mlp"], ["grouped_mlp"])
+    d = [d for d in fused.plan.declined if d.rule == "moe"]
+    assert len(d) == 1 and "scale both" in d[0].reason
+
+
+@needs_interpret
+def test_moe_decline_fc2_bias_with_weighted_unpermute():
+    seq = mf.Sequential(
+        mf.Router(H, E, 2), mf.Permute(E), mf.GroupedLinear(E, H, 2 * F_), mf.SwiGLU(),
+        mf.GroupedLinear(E, F_, H, bias=True), mf.Unpermute(weighted=True),
+    )  # fmt: skip
+    plan = seq.plan(torch.randn(4, H))
+    assert "moe (fc2 has a bias" in str(plan)
+    assert _fused(plan) == (["grouped_mlp"], ["grouped_mlp"])
+
+
+def test_plan_without_arguments_and_repr():
+    seq = _norm_chain()
+    p = seq.plan()  # an input of the parameters' dtype and device, the first op's width
+    assert p.facts.dtype == torch.float32 and p.facts.hidden == 16 and p.facts.ndim == 2
+    assert str(p) == NORM_PLAN
+    text = repr(seq)
+    assert "plan:\n    forward:\n      [0] Linear" in text
+    assert "rmsnorm_residual_grad(MakeExtraOutput, RMSNorm)" in text
+    assert "(3): RMSNorm(32, eps=1e-06)" in text
+    if interpret_mode():  # a Router first: its hidden size
+        E4 = 4
+        moe = mf.Sequential(
+            mf.Router(H, E4, 2), mf.Permute(E4), mf.GroupedLinear(E4, H, 2 * F_),
+            mf.ScaledSwiGLU(), mf.GroupedLinear(E4, F_, H), mf.Unpermute(),
+        )  # fmt: skip
+        assert moe.plan().facts.hidden == H
+        assert _fused(moe.plan()) == (["moe"], ["moe"])
+    # a chain with no parameter at all still plans
+    bare = mf.Sequential(mf.AddExtraInput("r"), mf.MakeExtraOutput("o"))
+    assert _fused(bare.plan()) == ([], [])
+
+
+def test_repr_does_not_raise_on_bad_settings(monkeypatch):
+    seq = _norm_chain()
+    monkeypatch.setenv("MOEKIT_FUSIONS", "-no_such_rule")
+    text = repr(seq)
+    assert "no plan:" in text and "no_such_rule" in text
+
+
+# --- state dicts and naming -------------------------------------------------------------------
+
+
+def test_state_dict_keys_and_round_trip():
+    a, b = _norm_chain(), _norm_chain()
+    keys = list(a.state_dict())
+    assert keys == ["0.weight", "0.bias", "3.weight"]
+    assert keys == list(nn.Sequential(*a.ops).state_dict())  # nn.Sequential's naming
+    x, residual = torch.randn(6, 16), torch.randn(6, H)
+    dys = output_grads(a, x, [residual])
+    ra = run(a, "unfused", x, [residual], dys)
+    # running fused or unfused adds nothing to the state dict
+    run(a, "fused", x, [residual], dys)
+    assert list(a.state_dict()) == keys
+    # b differs before loading a's state, equals it after (fused b against unfused a)
+    assert (run(b, "fused", x, [residual], dys).outs[0] - ra.outs[0]).norm() > 1e-2
+    b.load_state_dict(a.state_dict())
+    rb = run(b, "fused", x, [residual], dys)
+    assert "add_rmsnorm" in rb.plan.fused("forward")
+    compare(rb, ra, "loaded state")
+    for k, v in a.state_dict().items():
+        assert torch.equal(b.state_dict()[k], v), k
+
+
+@needs_interpret
+def test_state_dict_grouped_mlp_fused_or_not():
+    """Fused ops own no parameters: the state dict saved with fusions off loads into a chain
+    that runs fused, and gives the same outputs."""
+    a, b = _mlp(bias=True), _mlp(bias=True)
+    x, offs, probs = torch.randn(10, H), _offsets([3, 3, 10]), torch.rand(10)
+    with fusions(disable=["all"]):
+        sd = a.state_dict()
+        ya = a(x, offs, probs)
+    assert list(sd) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    b.load_state_dict(sd)
+    yb = b(x, offs, probs)
+    assert b.plan(x).fused("forward") == ["grouped_mlp"]
+    assert_close(yb, ya, "fused after load")
+
+
+def test_ordered_dict_of_named_ops():
+    ops = OrderedDict(
+        proj=mf.Linear(16, H, bias=True), add=mf.AddExtraInput("residual"),
+        keep=mf.MakeExtraOutput("residual_out"), norm=mf.RMSNorm(H),
+    )  # fmt: skip
+    seq = mf.Sequential(ops)
+    assert list(seq.state_dict()) == ["proj.weight", "proj.bias", "norm.weight"]
+    assert seq.norm is ops["norm"] and seq[3] is ops["norm"] and len(seq) == 4
+    fused, _, _ = check_all_modes(seq, torch.randn(4, 16), [torch.randn(4, H)])
+    assert _fused(fused.plan) == (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    with pytest.raises(TypeError, match="'bad'"):
+        mf.Sequential(OrderedDict(ok=mf.Bias(4), bad=nn.Linear(4, 4)))
+
+
+def test_replaced_parameter_gets_the_gradient():
+    """A parameter object replaced after the chain ran (``op.weight = Parameter(...)``, or
+    ``load_state_dict(assign=True)``) is the one the next call uses and differentiates."""
+    seq = _norm_chain()
+    x, residual = torch.randn(4, 16), torch.randn(4, H)
+    run(seq, "fused", x, [residual], output_grads(seq, x, [residual]))
+    old = seq[3].weight
+    old.grad = None  # from the first call
+    seq[3].weight = nn.Parameter(torch.full((H,), 2.0))
+    dys = output_grads(seq, x, [residual])
+    got = run(seq, "fused", x, [residual], dys)
+    compare(got, run(seq, "reference", x, [residual], dys), "replaced weight")
+    assert old.grad is None and seq[3].weight.grad is not None
+    seq.load_state_dict(_norm_chain().state_dict(), assign=True)
+    got = run(seq, "fused", x, [residual], dys)
+    compare(got, run(seq, "reference", x, [residual], dys), "assigned state")
+    assert all(p.grad is not None for p in seq.parameters())
+
+
+# --- extra inputs and outputs -------------------------------------------------------------------
+
+
+def _two_extras() -> mf.Sequential:
+    # reads "b" first, then "a": the caller's order is the order of first use, not sorted
+    return mf.Sequential(mf.AddExtraInput("b"), mf.Linear(8, 8), mf.AddExtraInput("a"))
+
+
+def test_extra_inputs_by_position_and_name():
+    seq = _two_extras()
+    assert seq.extra_input_names == ("b", "a")
+    x, a, b = torch.randn(3, 8), torch.randn(3, 8), torch.randn(3, 8)
+    want = seq.reference(x, b, a)
+    assert_close(want, F.linear(x + b, seq[1].weight) + a, "reference")
+    for got in (seq(x, b, a), seq(x, a=a, b=b), seq(x, b, a=a)):
+        assert_close(got, want, "call")
+    # positional order matters: swapping gives a different result
+    assert (seq(x, a, b) - want).norm() > 1e-3
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, match",
+    [
+        ((), {}, r"missing extra input\(s\) \['b', 'a'\]"),
+        (("B",), {}, r"missing extra input\(s\) \['a'\]"),
+        (("B", "A"), {"c": 1}, "unexpected extra input 'c'"),
+        (("B",), {"b": 1, "a": 1}, "extra input 'b' given both by position and by name"),
+        (("B", "A", "C"), {}, r"takes 2 extra input\(s\) \('b', 'a'\), got 3"),
+    ],
+    ids=["none", "one_missing", "unexpected", "duplicate", "too_many"],
+)
+def test_extra_input_errors(args, kwargs, match):
+    seq = _two_extras()
+    t = torch.randn(3, 8)
+    args = tuple(t if isinstance(v, str) else v for v in args)
+    kwargs = {k: t for k in kwargs}
+    with pytest.raises(TypeError, match=match):
+        seq(t, *args, **kwargs)
+    with pytest.raises(TypeError, match=match):  # the reference checks the same way
+        seq.reference(t, *args, **kwargs)
+
+
+def test_extras_given_to_a_chain_that_reads_none():
+    seq = mf.Sequential(mf.Linear(8, 8))
+    with pytest.raises(TypeError, match=r"takes 0 extra input\(s\)"):
+        seq(torch.randn(2, 8), torch.randn(2, 8))
+    with pytest.raises(TypeError, match="unexpected extra input 'r'"):
+        seq(torch.randn(2, 8), r=torch.randn(2, 8))
+    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
+        seq([1.0] * 8)
+
+
+def test_construction_errors():
+    with pytest.raises(ValueError, match="extra 'r' is made by op 0 and again by op 1"):
+        mf.Sequential(mf.MakeExtraOutput("r"), mf.MakeExtraOutput("r"))
+    with pytest.raises(ValueError, match=r"extra 'r' is read before op 1 \(MakeExtraOutput\)"):
+        mf.Sequential(mf.AddExtraInput("r"), mf.MakeExtraOutput("r"))
+    with pytest.raises(TypeError, match=r"op '1' must be a moekit\.fusion basic op, got Linear"):
+        mf.Sequential(mf.Bias(4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="at least one op"):
+        mf.Sequential()
+    with pytest.raises(TypeError, match="Linear is a basic op"):
+        mf.Linear(4, 4)(torch.randn(2, 4))
+    with pytest.raises(TypeError, match="RMSNorm is a basic op"):
+        mf.RMSNorm(4)(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("use", [None, {0}, {1}], ids=["both", "main_only", "extra_only"])
+def test_unread_extra_output_is_returned(use):
+    """MakeExtraOutput at the end: nothing reads its extra, so the chain returns it; it is the
+    main output itself, yet the two come back as separate outputs whose gradients add (and
+    either alone may take part in the loss: the main one's missing gradient is zeros)."""
+    seq = mf.Sequential(mf.Linear(8, 16, bias=True), mf.MakeExtraOutput("h"))
+    assert seq.extra_output_names == ("h",)
+    fused, _, ref = check_all_modes(seq, torch.randn(5, 8), use=use)
+    y, h = fused.outs
+    assert torch.equal(y, h)
+    assert ref.grads["x"].abs().max() > 0
+
+
+def test_extra_output_in_the_middle_is_returned():
+    seq = mf.Sequential(mf.Linear(8, H), mf.MakeExtraOutput("pre"), mf.RMSNorm(H))
+    assert seq.extra_output_names == ("pre",)
+    check_all_modes(seq, torch.randn(2, 3, 8), use={1})  # only the extra in the loss
+    check_all_modes(seq, torch.randn(2, 3, 8))
+
+
+def test_extra_output_that_is_a_tensor_subclass():
+    seq = mf.Sequential(mf.MakeExtraOutput("h"), mf.Linear(8, 8))
+    x = nn.Parameter(torch.randn(3, 8))
+    dy, dh = torch.randn(3, 8), torch.randn(3, 8)
+    y, h = seq(x)
+    torch.autograd.backward([y, h], [dy, dh])
+    assert_close(x.grad, dy @ seq[1].weight.detach() + dh, "dx")
+
+
+def test_same_tensor_as_main_and_extra_input():
+    """x passed as its own residual: its gradient is the sum over both uses."""
+    seq = _norm_chain(lin_in=H)
+    x = torch.randn(4, H)
+    dys = output_grads(seq, torch.randn(4, H), [torch.randn(4, H)])
+
+    def go(mode):
+        xl = x.clone().requires_grad_()
+        seq.zero_grad(set_to_none=True)
+        with fusions(disable=["all"]) if mode == "unfused" else contextlib.nullcontext():
+            out = (seq.reference if mode == "ref" else seq)(xl, xl)
+            torch.autograd.backward(list(out), dys)
+        return xl.grad
+
+    want = go("ref")
+    assert_close(go("fused"), want, "fused dx")
+    assert_close(go("unfused"), want, "unfused dx")
+
+
+@needs_interpret
+def test_non_tensor_and_integer_extra_outputs():
+    """Router → Permute ends the chain: it returns Permute's extras, an integer tensor
+    (offsets, no gradient), the rows' probs (differentiable) and the Dispatch (no tensor)."""
+    seq = mf.Sequential(mf.Router(H, 4, 2, aux_loss_coeff=0.1), mf.Permute(4, align=8))
+    assert seq.extra_output_names == ("offsets", "probs", "dispatch")
+    x = torch.randn(10, H)
+    ref = run(seq, "reference", x)
+    hidden, probs = ref.outs[0], ref.outs[2]
+    dys = [torch.randn_like(hidden), torch.randn_like(probs)]
+    ref = run(seq, "reference", x, (), dys)
+    for mode in ("fused", "unfused"):
+        got = run(seq, mode, x, (), dys)
+        compare(got, ref, mode)
+        assert torch.equal(got.outs[1], ref.outs[1]) and got.outs[1].dtype == torch.int32
+        assert isinstance(got.outs[3], type(ref.outs[3]))
+        assert torch.equal(got.outs[3].row_index, ref.outs[3].row_index)
+
+
+# --- no_grad, partial gradients, main_grad, retain_graph ------------------------------------------
+
+
+@pytest.mark.parametrize("chain", ["norm", pytest.param("mlp", marks=needs_interpret)])
+def test_no_grad_equals_grad_mode(chain):
+    if chain == "norm":
+        seq, x, extras = _norm_chain(), torch.randn(2, 5, 16), [torch.randn(2, 5, H)]
+    else:  # the fused forward stores no pre-activation without grad: another kernel variant
+        seq, x, extras = _mlp(bias=True), torch.randn(12, H), [_offsets([5, 5, 9]), torch.rand(12)]
+    with_grad = seq(x.clone().requires_grad_(), *extras)
+    with torch.no_grad():
+        plain = seq(x, *extras)
+    assert seq.plan(x, requires_grad=False).fused("forward") == seq.plan(x).fused("forward")
+    assert seq.plan(x).fused("forward")  # a rule runs in both
+    w = with_grad if isinstance(with_grad, tuple) else (with_grad,)
+    p = plain if isinstance(plain, tuple) else (plain,)
+    for a, b in zip(p, w):
+        assert not a.requires_grad and a.grad_fn is None
+        assert_close(a, b, "no_grad output", tol=1e-6)
+
+
+@needs_interpret
+def test_no_grad_routing_outputs_need_no_grad():
+    seq = mf.Sequential(mf.Router(H, 4, 2), mf.Permute(4), mf.Unpermute())
+    assert seq.extra_output_names == ("offsets", "probs")  # unread: returned
+    with torch.no_grad():
+        y, _, probs = seq(torch.randn(6, H))
+    assert y.shape == (6, H)
+    for t in (y, probs):
+        assert not t.requires_grad and t.grad_fn is None
+
+
+def test_partial_requires_grad():
+    """Only the residual needs a gradient (x is data, the norm weight frozen): the residual's
+    gradient is right and frozen parameters get none."""
+    seq = _norm_chain()
+    seq[3].weight.requires_grad_(False)
+    x, residual = torch.randn(3, 16), torch.randn(3, H)
+    dys = output_grads(seq, x, [residual])
+    for mode in ("reference", "fused", "unfused"):
+        seq.zero_grad(set_to_none=True)
+        r = residual.clone().requires_grad_()
+        with fusions(disable=["all"]) if mode == "unfused" else contextlib.nullcontext():
+            out = (seq.reference if mode == "reference" else seq)(x, r)
+            torch.autograd.backward(list(out), dys)
+        if mode == "reference":
+            want = r.grad, seq[0].weight.grad
+        else:
+            assert_close(r.grad, want[0], f"{mode}: residual grad")
+            assert_close(seq[0].weight.grad, want[1], f"{mode}: linear weight grad")
+            assert seq[3].weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "chain",
+    [pytest.param("mlp", marks=needs_interpret), pytest.param("moe", marks=needs_interpret)],
+)
+def test_main_grad_accumulates(chain):
+    """GroupedLinear weights carrying an fp32 ``main_grad`` get their gradient added there,
+    fused and unfused, and ``.grad`` stays None; biases still get ``.grad``."""
+    if chain == "mlp":
+        seq, x = _mlp(bias=True), torch.randn(12, H)
+        extras = [_offsets([0, 7, 12]), torch.rand(12)]
+        weights = (seq[0].weight, seq[2].weight)
+    else:
+        seq = mf.Sequential(
+            mf.Router(H, E, 2), mf.Permute(E), mf.GroupedLinear(E, H, 2 * F_, bias=True),
+            mf.ScaledSwiGLU(), mf.GroupedLinear(E, F_, H), mf.Unpermute(),
+        )  # fmt: skip
+        x, extras, weights = torch.randn(8, H), [], (seq[2].weight, seq[4].weight)
+    dys = output_grads(seq, x, extras)
+    ref = run(seq, "reference", x, extras, dys)
+    names = [n for n, p in seq.named_parameters() if any(p is w for w in weights)]
+    for mode in ("fused", "unfused"):
+        start = [torch.randn_like(w) for w in weights]  # accumulate, not overwrite
+        for w, s in zip(weights, start):
+            w.main_grad = s.clone()
+        try:
+            got = run(seq, mode, x, extras, dys)
+            assert got.plan.fused("forward") == (
+                []
+                if mode == "unfused"
+                else [chain[:3]] and ["grouped_mlp" if chain == "mlp" else "moe"]
+            )
+            for w, s, n in zip(weights, start, names):
+                assert got.grads[f"param {n}"] is None, f"{mode}: {n}.grad set"
+                assert_close(w.main_grad - s, ref.grads[f"param {n}"], f"{mode}: {n}.main_grad")
+            for n, g in got.grads.items():
+                if n.startswith("param") and n[6:] not in names:
+                    assert_close(g, ref.grads[n], f"{mode}: {n}")
+        finally:
+            for w in weights:
+                del w.main_grad
+
+
+def test_second_backward_raises():
+    seq = _norm_chain()
+    x = torch.randn(3, 16, requires_grad=True)
+    y, ro = seq(x, torch.randn(3, H))
+    (y.sum() + ro.sum()).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        (y.sum() + ro.sum()).backward()
+
+
+# --- MOEKIT_FUSIONS and fusions() ----------------------------------------------------------
+
+
+@needs_interpret
+def test_env_turns_rules_off(monkeypatch):
+    seq = _mlp_then_norm()
+    x = torch.randn(6, H)
+    assert _fused(seq.plan(x)) == (
+        ["grouped_mlp", "add_rmsnorm"], ["grouped_mlp", "rmsnorm_residual_grad"],
+    )  # fmt: skip
+    monkeypatch.setenv("MOEKIT_FUSIONS", " -grouped_mlp ")  # read at each planning
+    plan = seq.plan(x)
+    assert _fused(plan) == (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    assert "declined in forward at [0:3]: grouped_mlp (turned off)" in str(plan)
+    monkeypatch.setenv("MOEKIT_FUSIONS", "-grouped_mlp,-rmsnorm_residual_grad")
+    assert _fused(seq.plan(x)) == (["add_rmsnorm"], [])
+    monkeypatch.setenv("MOEKIT_FUSIONS", "-all")
+    plan = seq.plan(x)
+    assert _fused(plan) == ([], [])
+    assert {d.rule for d in plan.declined} == {
+        "grouped_mlp", "add_rmsnorm", "rmsnorm_residual_grad",
+    }  # fmt: skip
+    # the unfused run under -all still computes the chain
+    extras = [_offsets([2, 2, 6]), torch.randn(6, H)]
+    dys = output_grads(seq, x, extras)
+    compare(run(seq, "fused", x, extras, dys), run(seq, "reference", x, extras, dys), "-all")
+    monkeypatch.delenv("MOEKIT_FUSIONS")
+    assert seq.plan(x).fused("forward") == ["grouped_mlp", "add_rmsnorm"]
+
+
+@needs_interpret
+def test_env_force_warns_once_with_reason(monkeypatch, fresh_warnings):
+    monkeypatch.setenv("MOEKIT_FUSIONS", "+grouped_mlp")
+    seq = _mlp(mf.SwiGLU, inter=4)
+    x, offs = torch.randn(8, H), _offsets([3, 5, 8])
+    with pytest.warns(RuntimeWarning, match="forced rule 'grouped_mlp' declined") as rec:
+        y = seq(x, offs)
+    msgs = [str(w.message) for w in rec if issubclass(w.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "not a multiple of 16" in msgs[0], msgs
+    assert_close(y, seq.reference(x, offs), "forced but declined")
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        # once: neither the cached plan nor a new chain of the same kind warns again
+        seq(x, offs)
+        _mlp(mf.SwiGLU, inter=4).plan(x)
+        # a forced rule that applies does not warn
+        assert _mlp(mf.SwiGLU, inter=16).plan(x).fused("forward") == ["grouped_mlp"]
+    assert not [w for w in rec if "forced rule" in str(w.message)]
+
+
+@needs_interpret
+def test_fusions_force_warns(fresh_warnings):
+    seq = _mlp(mf.GeGLU, fc2_out=2 * H)
+    with pytest.warns(RuntimeWarning, match="widths do not chain"), fusions(force=["grouped_mlp"]):
+        seq.plan(torch.randn(2, H))
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("-no_such_rule", "unknown fusion rule 'no_such_rule'"),
+        ("+no_such_rule", "unknown fusion rule 'no_such_rule'"),
+        ("grouped_mlp", "entries must look like '-name' or '\\+name', got 'grouped_mlp'"),
+        ("-add_rmsnorm,add_rmsnorm", "got 'add_rmsnorm'"),
+        ("-", "got '-'"),
+    ],
+)
+def test_env_errors(monkeypatch, spec, match):
+    seq = _norm_chain()
+    monkeypatch.setenv("MOEKIT_FUSIONS", spec)
+    with pytest.raises(ValueError, match=match):
+        seq(torch.randn(2, 16), torch.randn(2, H))
+
+
+def test_fusions_nests_and_restores():
+    seq = _norm_chain()
+    x = torch.randn(3, 16)
+    on = (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    assert _fused(seq.plan(x)) == on
+    with fusions(disable=["add_rmsnorm"]):
+        assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])
+        with fusions(disable=["rmsnorm_residual_grad"]):
+            assert _fused(seq.plan(x)) == ([], [])
+        assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])
+        with pytest.raises(KeyError), fusions(disable=["all"]):
+            assert _fused(seq.plan(x)) == ([], [])
+            raise KeyError("leaves the block by an exception")
+        assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])
+    assert _fused(seq.plan(x)) == on
+    with pytest.raises(ValueError, match="unknown fusion rule 'nope'"), fusions(disable=["nope"]):
+        pass
+    assert _fused(seq.plan(x)) == on  # the failed block left no setting behind
+
+
+def test_backward_runs_the_plan_of_its_forward():
+    """The forward picks the program; a backward run outside the fusions() block that
+    shaped the forward still runs that program's backward (forward unfused, backward fused
+    by rmsnorm_residual_grad in the call's plan) and matches the reference."""
+    seq = _norm_chain()
+    x, residual = torch.randn(4, 16), torch.randn(4, H)
+    dys = output_grads(seq, x, [residual])
+    ref = run(seq, "reference", x, [residual], dys)
+    xl = x.clone().requires_grad_()
+    seq.zero_grad(set_to_none=True)
+    with fusions(disable=["add_rmsnorm"]):
+        out = seq(xl, residual)
+    with fusions(disable=["all"]):
+        torch.autograd.backward(list(out), dys)
+    assert_close(xl.grad, ref.grads["x"], "dx")
+    for n, p in seq.named_parameters():
+        assert_close(p.grad, ref.grads[f"param {n}"], n)
+
+
+# --- the registry ------------------------------------------------------------------------------
+
+
+class _AddBiases(FusedOp):
+    """Both passes of Bias → Bias; counts its calls."""
+
+    def __init__(self, ops, tag: str, calls: list) -> None:
+        super().__init__(ops)
+        self.tag, self.calls = tag, calls
+
+    def fuser_forward(self, ctxs, x, extras):
+        self.calls.append((self.tag, "forward"))
+        return x + (self.ops[0].bias + self.ops[1].bias), None
+
+    def fuser_backward(self, ctxs, dy, grads):
+        self.calls.append((self.tag, "backward"))
+        db = dy.reshape(-1, dy.shape[-1]).sum(0)
+        return dy, {}, ((db,), (db,))
+
+
+def _bias_rule(tag: str, calls: list, decline: str | None = None):
+    def rule(ops, facts):
+        return Decline(decline) if decline is not None else _AddBiases(ops, tag, calls)
+
+    return rule
+
+
+def _bias_chain() -> mf.Sequential:
+    seq = mf.Sequential(mf.Linear(8, 8), mf.Bias(8), mf.Bias(8))
+    with torch.no_grad():
+        seq[1].bias.normal_()
+        seq[2].bias.normal_()
+    return seq
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        ({"name": "grouped_mlp"}, ValueError, "already registered"),
+        ({"name": "all"}, ValueError, "reserved"),
+        ({"name": "+x"}, ValueError, "without '\\+', '-' or ','"),
+        ({"name": "-x"}, ValueError, "without"),
+        ({"name": "a,b"}, ValueError, "without"),
+        ({"name": ""}, ValueError, "non-empty"),
+        ({"name": "t_bad", "passes": ("backward", "forward")}, ValueError, "passes must be"),
+        ({"name": "t_bad", "passes": ("sideways",)}, ValueError, "passes must be"),
+        ({"name": "t_bad", "passes": ()}, ValueError, "passes must be"),
+        ({"name": "t_bad", "pattern": ()}, ValueError, "at least one op type"),
+        ({"name": "t_bad", "priority": 1.5}, TypeError, "priority must be an int"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_register_errors(kw, exc, match):
+    before = [r.name for r in registered_rules("forward") + registered_rules("backward")]
+    args = {"pattern": (mf.Bias, mf.Bias), **kw}
+    with pytest.raises(exc, match=match):
+        register_fusion(lambda ops, facts: None, **args)
+    after = [r.name for r in registered_rules("forward") + registered_rules("backward")]
+    assert after == before  # nothing half-registered
+    with pytest.raises(TypeError, match="rule must be callable"):
+        register_fusion(42, name="t_not_callable", pattern=(mf.Bias,))
+    assert "t_not_callable" not in [r.name for r in registered_rules("forward")]
+
+
+def test_unregister_unknown_raises():
+    with pytest.raises(ValueError, match="no fusion rule named 'no_such_rule'"):
+        unregister_fusion("no_such_rule")
+
+
+def test_custom_rule_priorities_and_unregister(add_rule):
+    calls: list = []
+    seq = _bias_chain()
+    x = torch.randn(5, 8)
+    base = seq.plan(x)
+    assert _fused(base) == ([], [])
+    add_rule(_bias_rule("lo", calls), name="t_lo", pattern=(mf.Bias, mf.Bias), priority=1)
+    # registering invalidates cached plans
+    assert _fused(seq.plan(x)) == (["t_lo"], ["t_lo"])
+    add_rule(_bias_rule("hi", calls), name="t_hi", pattern=(mf.Bias, mf.Bias), priority=5)
+    plan = seq.plan(x)
+    assert _fused(plan) == (["t_hi"], ["t_hi"])
+    assert [s.describe(seq.ops) for s in plan.forward] == ["[0] Linear", "[1:3] t_hi(Bias, Bias)"]
+    fused, _, _ = check_all_modes(seq, x)
+    assert calls == [("hi", "forward"), ("hi", "backward")]
+    assert fused.plan is plan
+    unregister_fusion("t_hi")
+    assert _fused(seq.plan(x)) == (["t_lo"], ["t_lo"])
+    unregister_fusion("t_lo")
+    assert str(seq.plan(x)) == str(base)
+
+
+def test_custom_rule_ties_break_by_registration_order(add_rule):
+    calls: list = []
+    seq = _bias_chain()
+    x = torch.randn(5, 8)
+    add_rule(_bias_rule("first", calls), name="t_first", pattern=(mf.Bias, mf.Bias), priority=3)
+    add_rule(_bias_rule("second", calls), name="t_second", pattern=(mf.Bias, mf.Bias), priority=3)
+    assert _fused(seq.plan(x)) == (["t_first"], ["t_first"])
+    # turning the winner off lets the next one in, and the plan says why
+    with fusions(disable=["t_first"]):
+        plan = seq.plan(x)
+    assert _fused(plan) == (["t_second"], ["t_second"])
+    assert "declined in forward at [1:3]: t_first (turned off)" in str(plan)
+
+
+def test_custom_rule_declines_fall_through(add_rule):
+    calls: list = []
+    seq = _bias_chain()
+    x = torch.randn(5, 8)
+    add_rule(_bias_rule("lo", calls), name="t_lo", pattern=(mf.Bias, mf.Bias), priority=1)
+    add_rule(_bias_rule("x", calls, "not today"), name="t_no", pattern=(mf.Bias, mf.Bias),
+             priority=9)  # fmt: skip
+    add_rule(lambda ops, facts: None, name="t_none", pattern=(mf.Bias, mf.Bias), priority=8)
+    plan = seq.plan(x)
+    assert _fused(plan) == (["t_lo"], ["t_lo"])
+    text = str(plan)
+    assert "declined in forward at [1:3]: t_no (not today)" in text
+    assert "declined in forward at [1:3]: t_none (declined without a reason)" in text
+
+
+def test_custom_rule_beats_builtin_only_with_higher_priority(add_rule):
+    """A custom forward rule on add_rmsnorm's window: at the same priority the built-in,
+    registered first, wins; above it the custom one does. The custom op leaves each op's
+    context as its forward would, so the built-in backward rule still applies."""
+    calls: list = []
+
+    class Chained(FusedOp):
+        def fuser_forward(self, ctxs, x, extras):
+            calls.append("forward")
+            made: dict = {}
+            for op, c in zip(self.ops, ctxs):
+                x, m = op.op_forward(c, x, {**extras, **made})
+                made.update(m or {})
+            return x, made
+
+    pattern = (mf.AddExtraInput, mf.MakeExtraOutput, mf.RMSNorm)
+    add_rule(lambda ops, facts: Chained(ops), name="t_same", pattern=pattern,
+             passes=("forward",))  # fmt: skip
+    seq = _norm_chain()
+    x = torch.randn(3, 16)
+    assert seq.plan(x).fused("forward") == ["add_rmsnorm"]
+    unregister_fusion("t_same")
+    add_rule(lambda ops, facts: Chained(ops), name="t_above", pattern=pattern, priority=1,
+             passes=("forward",))  # fmt: skip
+    fused, _, _ = check_all_modes(seq, x, [torch.randn(3, H)])
+    assert _fused(fused.plan) == (["t_above"], ["rmsnorm_residual_grad"])
+    assert calls == ["forward"]
+
+
+def test_backward_only_custom_rule(add_rule):
+    calls: list = []
+
+    class LinearBiasBackward(FusedOp):
+        def fuser_backward(self, ctxs, dy, grads):
+            calls.append(("backward", ctxs[0].needs_input_grad))
+            lin = self.ops[0]
+            x = ctxs[0].x  # left by Linear's own forward
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+            dx = dy @ lin.weight if ctxs[0].needs_input_grad else None
+            return dx, {}, ((dy2.t() @ x2,), (dy2.sum(0),))
+
+    add_rule(lambda ops, facts: LinearBiasBackward(ops), name="t_lin_bias_bwd",
+             pattern=(mf.Linear, mf.Bias), passes=("backward",))  # fmt: skip
+    # a higher-priority backward-only rule that declines: recorded for the backward pass
+    add_rule(lambda ops, facts: Decline("not this one"), name="t_bwd_no",
+             pattern=(mf.Linear, mf.Bias), passes=("backward",), priority=2)  # fmt: skip
+    seq = mf.Sequential(mf.Linear(8, 16), mf.Bias(16), mf.LayerNorm(16))
+    with torch.no_grad():
+        seq[1].bias.normal_()
+    fused, _, _ = check_all_modes(seq, torch.randn(2, 3, 8))
+    assert _fused(fused.plan) == ([], ["t_lin_bias_bwd"])
+    assert "declined in backward at [0:2]: t_bwd_no (not this one)" in str(fused.plan)
+    assert "declined in forward" not in str(fused.plan)
+    assert calls == [("backward", True)]
+    # x without a gradient: the fused backward is told (needs_input_grad) and the weights
+    # still get theirs
+    calls.clear()
+    x = torch.randn(4, 8)
+    dys = output_grads(seq, x)
+    seq.zero_grad(set_to_none=True)
+    seq(x).backward(dys[0])
+    got = [p.grad.clone() for p in seq.parameters()]
+    seq.zero_grad(set_to_none=True)
+    seq.reference(x).backward(dys[0])
+    for g, p in zip(got, seq.parameters()):
+        assert_close(g, p.grad, "weights without dx")
+    assert calls == [("backward", False)]
+
+
+# --- chains no rule fuses ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ln_bias", [True, False])
+def test_unfused_basic_ops_match_reference(ln_bias):
+    """Linear (with bias) → SwiGLU → Linear → Bias → LayerNorm on a 3-d input: no rule
+    applies; every gradient matches. A frozen parameter gets no gradient."""
+    seq = mf.Sequential(
+        mf.Linear(16, 64, bias=True), mf.SwiGLU(), mf.Linear(32, 24), mf.Bias(24),
+        mf.LayerNorm(24, bias=ln_bias),
+    )  # fmt: skip
+    with torch.no_grad():
+        seq[3].bias.normal_()
+        seq[4].weight.copy_(1 + 0.3 * torch.randn(24))
+    fused, _, _ = check_all_modes(seq, torch.randn(2, 5, 16))
+    assert _fused(fused.plan) == ([], [])
+    seq[0].bias.requires_grad_(False)
+    fused, _, ref = check_all_modes(seq, torch.randn(7, 16))
+    assert fused.grads["param 0.bias"] is None and ref.grads["param 0.bias"] is None
+
+
+def test_glu_interleave_activation_matches_reference():
+    """SwiGLU with an interleaved gate/up layout on its own (no grouped MLP around it)."""
+    seq = mf.Sequential(mf.Linear(8, 32), mf.SwiGLU(glu_interleave=4), mf.Linear(16, 8))
+    check_all_modes(seq, torch.randn(6, 8))
+    assert re.search(r"'swiglu', scaled=False, glu_interleave=4", repr(seq))
