@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from moekit.fusion.op import BasicOp, OpContext, add_grad
 from moekit.fusion.plan import Facts, Plan, make_plan
@@ -41,10 +40,11 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_paramete
 class _Program:
     """A plan turned into the calls each pass makes."""
 
-    __slots__ = ("bwd", "fwd", "n_ops", "plan", "slices")
+    __slots__ = ("bwd", "fwd", "n_ops", "n_params", "plan", "slices")
 
     def __init__(self, plan: Plan, slices: tuple[tuple[int, int], ...]) -> None:
         self.plan, self.slices, self.n_ops = plan, slices, len(plan.ops)
+        self.n_params = slices[-1][1] if slices else 0
         self.fwd = tuple(_forward_call(s.lo, s.hi, s.runner) for s in plan.forward)
         self.bwd = tuple(
             (_backward_call(s.lo, s.hi, s.runner), s.lo) for s in reversed(plan.backward)
@@ -91,36 +91,49 @@ class _Call:
         self.out_values: list[Any] = []
 
 
+def _distinct(t: torch.Tensor, others) -> torch.Tensor:
+    """``t``, or a copy of it when it is one of ``others`` (an autograd Function returns each
+    tensor object once, and none of its inputs)."""
+    for u in others:
+        if t is u:
+            return t.clone()
+    return t
+
+
 class _PipelineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x: torch.Tensor, *args: torch.Tensor):
         env = call.env
-        for name, t in zip(call.tensor_names, args):
-            env[name] = t
+        if call.tensor_names:
+            env.update(zip(call.tensor_names, args))
         y, ctxs = _run_forward(call.prog, x, env, ctx.needs_input_grad[1], True)
         call.ctxs = ctxs
         ctx.call = call
+        ctx.main_meta = (y.shape, y.dtype, y.device)
+        ctx.set_materialize_grads(False)
+        # An output made by a recorded graph (RecordedGraph) is detached: autograd would
+        # re-point its grad_fn at this node, looping the graph's own backward into this one.
+        if y.requires_grad:
+            y = y.detach()
+        y = _distinct(y, (x, *args))
+        if not call.out_names:
+            return y
         outs = [env[n] for n in call.out_names]
         call.out_values = outs
-        tensors = [y, *(o for o in outs if isinstance(o, torch.Tensor))] if outs else [y]
-        inputs = (x, *args)
-        for i, t in enumerate(tensors):
-            if t.requires_grad:
-                # made by a recorded graph (RecordedGraph): autograd would re-point its
-                # grad_fn at this node, looping the graph's own backward into this one
-                t = tensors[i] = t.detach()
-            # one output per tensor object, none of them an input
-            if any(t is u for u in inputs) or any(t is u for u in tensors[:i]):
-                tensors[i] = t.clone()
-        ctx.main_meta = (y.shape, y.dtype, y.device)
-        if outs:
-            ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
-        ctx.set_materialize_grads(False)
+        tensors = [y]
+        for t in outs:
+            if isinstance(t, torch.Tensor):
+                t = t.detach() if t.requires_grad else t
+                tensors.append(_distinct(t, (x, *args, *tensors)))
+        ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
         return tuple(tensors)
 
     @staticmethod
-    @once_differentiable  # a double backward raises instead of giving wrong answers
     def backward(ctx, dy: torch.Tensor | None, *douts: torch.Tensor | None):
+        if torch.is_grad_enabled():  # create_graph=True: this backward is not differentiable
+            raise RuntimeError(
+                "moekit.fusion.Sequential does not support a double backward (create_graph=True)"
+            )
         call: _Call = ctx.call
         prog, ctxs = call.prog, call.ctxs
         if not ctxs:
@@ -128,6 +141,7 @@ class _PipelineFn(torch.autograd.Function):
                 "moekit.fusion.Sequential: a second backward through the same graph "
                 "(retain_graph=True) is not supported; its saved state is freed by the first"
             )
+        call.ctxs = []  # the saved state goes with this backward
         grads: dict[str, Any] = {}
         if douts:
             names = [
@@ -139,23 +153,28 @@ class _PipelineFn(torch.autograd.Function):
         if dy is None:  # the main output took no part in the loss
             shape, dtype, device = ctx.main_meta
             dy = torch.zeros(shape, dtype=dtype, device=device)
-        param_grads: list[Any] = [None] * (prog.slices[-1][1] if prog.slices else 0)
+        param_grads: list[Any] = [None] * prog.n_params
+        slices = prog.slices
         for call_bwd, lo in prog.bwd:
             dy, input_grads, per_op = call_bwd(ctxs, dy, grads)
-            for name, g in input_grads.items():
-                add_grad(grads, name, g)
+            if input_grads:
+                for name, g in input_grads.items():
+                    add_grad(grads, name, g)
             for k, pg in enumerate(per_op):
-                start, end = prog.slices[lo + k]
+                start, end = slices[lo + k]
                 if len(pg) != end - start:
-                    raise RuntimeError(
-                        f"moekit.fusion: the backward of op {lo + k} "
-                        f"({type(prog.plan.ops[lo + k]).__name__}) returned {len(pg)} "
-                        f"parameter gradients for its {end - start} parameters"
-                    )
+                    _wrong_count(prog, lo + k, len(pg), end - start)
                 param_grads[start:end] = pg
-        call.ctxs = []  # free the saved state
-        extra = [grads.get(n) for n in call.tensor_names]
-        return (None, dy, *extra, *param_grads)
+        if call.tensor_names:
+            return (None, dy, *[grads.get(n) for n in call.tensor_names], *param_grads)
+        return (None, dy, *param_grads)
+
+
+def _wrong_count(prog: _Program, i: int, got: int, want: int) -> None:
+    raise RuntimeError(
+        f"moekit.fusion: the backward of op {i} ({type(prog.plan.ops[i]).__name__}) returned "
+        f"{got} parameter gradients for its {want} parameters"
+    )
 
 
 _apply_pipeline = function_apply(_PipelineFn)
@@ -288,29 +307,33 @@ class Sequential(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
-        env = self._extras(args, kwargs) if (args or kwargs or self.extra_input_names) else {}
-        tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
-        tensors = [env[n] for n in tensor_names]
-        requires_grad = False
-        if torch.is_grad_enabled():
-            for t in (x, *self._params, *tensors):
-                if t.requires_grad:
-                    requires_grad = True
-                    break
+        tensor_names: list[str] = []
+        tensors: list[torch.Tensor] = []
+        if self.extra_input_names or args or kwargs:
+            env = self._extras(args, kwargs)
+            for n, v in env.items():
+                if isinstance(v, torch.Tensor):
+                    tensor_names.append(n)
+                    tensors.append(v)
+        else:
+            env = {}
+        requires_grad = torch.is_grad_enabled() and (
+            x.requires_grad or _any_requires_grad(self._params) or _any_requires_grad(tensors)
+        )
         prog = self._program(x, requires_grad)
         out_names = self.extra_output_names
         if not requires_grad:
             y, _ = _run_forward(prog, x, env)
             return (y, *(env[n] for n in out_names)) if out_names else y
-        call = _Call(prog, env, tensor_names, out_names)
         for n in tensor_names:
             del env[n]
+        call = _Call(prog, env, tensor_names, out_names)
         if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
             outs = _apply_pipeline.direct(call, x, *tensors, *self._params)
         else:
             outs = _PipelineFn.apply(call, x, *tensors, *self._params)
         if not out_names:
-            return outs[0]
+            return outs
         it = iter(outs[1:])
         extra = [next(it) if isinstance(v, torch.Tensor) else v for v in call.out_values]
         return (outs[0], *extra)
@@ -324,6 +347,13 @@ class Sequential(nn.Module):
             env.update(made)
         out_names = self.extra_output_names
         return (x, *(env[n] for n in out_names)) if out_names else x
+
+
+def _any_requires_grad(tensors) -> bool:
+    for t in tensors:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
+        if t.requires_grad:
+            return True
+    return False
 
 
 def _hidden_hint(ops: tuple[BasicOp, ...]) -> int:

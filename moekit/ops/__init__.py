@@ -9,7 +9,13 @@ from moekit.ops.allreduce import (
 )
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
-from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.grouped_mlp import (
+    grouped_mlp,
+    grouped_mlp_backward,
+    grouped_mlp_forward,
+    grouped_mlp_plan,
+    grouped_mlp_unsupported,
+)
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 from moekit.ops.router import topk_routing
@@ -24,6 +30,10 @@ __all__ = [
     "auto_algo",
     "grouped_linear",
     "grouped_mlp",
+    "grouped_mlp_backward",
+    "grouped_mlp_forward",
+    "grouped_mlp_plan",
+    "grouped_mlp_unsupported",
     "grouped_mm",
     "load_balancing_loss",
     "permute",

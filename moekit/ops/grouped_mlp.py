@@ -51,6 +51,7 @@ __all__ = [
     "grouped_mlp",
     "grouped_mlp_backward",
     "grouped_mlp_forward",
+    "grouped_mlp_plan",
     "grouped_mlp_unsupported",
 ]
 
@@ -734,7 +735,22 @@ def grouped_mlp_unsupported(
     return _fused_unsupported(x, ffn_hidden_size, glu_interleave)
 
 
-def _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave) -> _Plan:
+def grouped_mlp_plan(
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor | None = None,
+    *,
+    activation: str | Activation = "swiglu",
+    glu_interleave: int | None = None,
+    b1: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+) -> object:
+    """Validate a call of :func:`grouped_mlp_forward` (arguments as there) and return its
+    plan, an opaque object that :func:`grouped_mlp_forward` and :func:`grouped_mlp_backward`
+    take as ``plan=`` to skip validating the same call again. Raises ValueError for a
+    configuration only the unfused composition covers."""
     mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
     plan = _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, glu_interleave, False)
     if plan.unfused_reason is not None:
@@ -755,13 +771,19 @@ def grouped_mlp_forward(
     b1: torch.Tensor | None = None,  # [E, 2F or F]
     b2: torch.Tensor | None = None,  # [E, H]
     store_h: bool = True,
+    plan: object | None = None,  # from grouped_mlp_plan for these arguments
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The fused forward of :func:`grouped_mlp` without autograd, for callers that run their
     own backward (``moekit.fusion``): ``(y [R, H], h [R, 2F or F] pre-activation ([0, ·]
     unless ``store_h``), a [R, F] = act(h) · probs)``. Inputs are validated as by
-    :func:`grouped_mlp`; a configuration only the unfused composition covers raises
-    ValueError (see :func:`grouped_mlp_unsupported`)."""
-    plan = _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave)
+    :func:`grouped_mlp` (or were, by :func:`grouped_mlp_plan`, when ``plan`` is given); a
+    configuration only the unfused composition covers raises ValueError (see
+    :func:`grouped_mlp_unsupported`)."""
+    if plan is None:
+        plan = grouped_mlp_plan(
+            x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
+            b1=b1, b2=b2,
+        )  # fmt: skip
     a = plan.act
     return _forward(
         x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
@@ -784,11 +806,16 @@ def grouped_mlp_backward(
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
     needs: tuple[bool, bool, bool, bool, bool, bool] = (True,) * 6,
+    plan: object | None = None,  # from grouped_mlp_plan for the forward's arguments
 ) -> tuple[torch.Tensor | None, ...]:
     """The fused backward matching :func:`grouped_mlp_forward`: ``(dx, dw1, dw2, dprobs,
     db1, db2)`` for the gradients flagged in ``needs`` (same order), None elsewhere. A weight
     with an fp32 ``main_grad`` gets its gradient added there (and None here)."""
-    plan = _fused_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave)
+    if plan is None:
+        plan = grouped_mlp_plan(
+            x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
+            b1=b1, b2=b2,
+        )  # fmt: skip
     act = plan.act
     mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
     bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))

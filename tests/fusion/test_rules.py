@@ -124,6 +124,9 @@ def test_grouped_mlp_all_rows_past_offsets():
 
 
 def test_reference_differentiable_when_no_row_is_owned():
+    """The oracle itself with offsets[-1] = 0: GroupedLinear.reference once returned a tensor
+    without grad_fn there (no row ran a matmul), so the reference could not be differentiated
+    for a legal configuration. Its gradients must be zeros, like the op's."""
     seq = mf.Sequential(mf.GroupedLinear(2, H, H))
     x = torch.randn(4, H, requires_grad=True)
     y = seq.reference(x, _offsets([0, 0]))

@@ -137,6 +137,9 @@ def test_plan_text_is_deterministic_and_cached():
 
 
 def test_plan_cache_survives_building_another_module():
+    """Sequential re-collects its parameters when some module registered one since, but a
+    parameter of an unrelated module (here a new nn.Linear) must not drop its cached plans
+    (it once did: any registration anywhere cleared every chain's cache)."""
     a = _norm_chain()
     x, r = torch.randn(5, 16, requires_grad=True), torch.randn(5, H)
     a(x, r)
@@ -410,6 +413,9 @@ def test_extra_output_in_the_middle_is_returned():
 
 
 def test_extra_output_that_is_a_tensor_subclass():
+    """An extra output that is a Tensor subclass (the nn.Parameter passed as x, exposed by
+    MakeExtraOutput): forward and backward must pair outputs with gradients the same way
+    (backward once matched by ``type(v) is Tensor``, dropping this output's gradient)."""
     seq = mf.Sequential(mf.MakeExtraOutput("h"), mf.Linear(8, 8))
     x = nn.Parameter(torch.randn(3, 8))
     dy, dh = torch.randn(3, 8), torch.randn(3, 8)
@@ -479,6 +485,9 @@ def test_no_grad_equals_grad_mode(chain):
 
 @needs_interpret
 def test_no_grad_routing_outputs_need_no_grad():
+    """Ops whose backward is a RecordedGraph (Router, Permute, Unpermute, the moe op) must not
+    record a graph when no backward will run: under no_grad their outputs once came back with
+    requires_grad=True and a grad_fn (holding every activation alive)."""
     seq = mf.Sequential(mf.Router(H, 4, 2), mf.Permute(4), mf.Unpermute())
     assert seq.extra_output_names == ("offsets", "probs")  # unread: returned
     with torch.no_grad():
@@ -549,6 +558,40 @@ def test_main_grad_accumulates(chain):
         finally:
             for w in weights:
                 del w.main_grad
+
+
+@pytest.mark.parametrize("bad", ["shape", "broadcast", "not_a_tensor"])
+def test_bad_residual_raises_the_same_fused_or_not(bad):
+    """AddExtraInput checks its extra against the main tensor: the same ValueError, naming
+    the extra, whether add_rmsnorm runs it or the op itself."""
+    seq = mf.Sequential(
+        mf.AddExtraInput("residual"), mf.MakeExtraOutput("residual_out"), mf.RMSNorm(H)
+    )
+    r = {"shape": torch.randn(4, H + 1), "broadcast": torch.randn(1, H), "not_a_tensor": 1.0}
+    x = torch.randn(4, H)
+    for off in ([], ["all"]):
+        with fusions(disable=off), pytest.raises(ValueError, match="extra input 'residual'"):
+            seq(x, r[bad])
+
+
+def test_residual_of_another_dtype_raises_the_same_fused_or_not():
+    seq = mf.Sequential(
+        mf.AddExtraInput("residual"), mf.MakeExtraOutput("residual_out"), mf.RMSNorm(H)
+    )
+    x, r = torch.randn(4, H), torch.randn(4, H, dtype=torch.float16)
+    for off in ([], ["all"]):
+        with fusions(disable=off), pytest.raises(ValueError, match="extra input 'residual'"):
+            seq(x, r)
+
+
+def test_double_backward_raises():
+    """create_graph=True would need a differentiable backward: refused, not silently wrong."""
+    seq = _norm_chain()
+    x = torch.randn(3, 16, requires_grad=True)
+    y, _ = seq(x, torch.randn(3, H))
+    with pytest.raises(RuntimeError):  # at create_graph time, or at the second backward
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        g.sum().backward()
 
 
 def test_second_backward_raises():

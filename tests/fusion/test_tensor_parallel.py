@@ -200,6 +200,8 @@ def test_column_then_row_parallel():
 
 @pytest.mark.dist
 def test_column_parallel_reference():
+    """The oracle of a column-parallel Linear must all-reduce its input gradient like the op
+    (Linear.reference was once a plain F.linear: each rank got its partial dx)."""
     _spawn(_worker_column_row, ("reference",))
 
 

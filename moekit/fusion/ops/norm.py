@@ -20,6 +20,8 @@ def _check_hidden(hidden_size: object) -> int:
 
 def rows(t: torch.Tensor) -> torch.Tensor:
     """``t [..., H]`` as contiguous ``[T, H]`` rows (a view when it already is contiguous)."""
+    if t.dim() == 2 and t.is_contiguous():
+        return t
     return t.reshape(-1, t.shape[-1]) if t.is_contiguous() else t.contiguous().view(-1, t.shape[-1])
 
 
@@ -56,9 +58,13 @@ class RMSNorm(BasicOp):
     ) -> tuple:
         """The backward, plus the gradient ``d_residual`` of the norm's input taken elsewhere
         (e.g. a residual stream) added into dx in the same kernel."""
-        d2 = None if d_residual is None else rows(d_residual.to(dy.dtype))
+        if d_residual is not None and d_residual.dtype != dy.dtype:
+            d_residual = d_residual.to(dy.dtype)
+        d2 = None if d_residual is None else rows(d_residual)
         dx, dw = add_rmsnorm_backward(rows(dy), d2, ctx.x, self.weight, ctx.rstd)
-        return dx.view(dy.shape), {}, (dw if self.weight.requires_grad else None,)
+        if dx.shape != dy.shape:
+            dx = dx.view(dy.shape)
+        return dx, {}, (dw if self.weight.requires_grad else None,)
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         xf = x.float()

@@ -13,6 +13,7 @@ from moekit.fusion.registry import register_fusion
 from moekit.ops.grouped_mlp import (
     grouped_mlp_backward,
     grouped_mlp_forward,
+    grouped_mlp_plan,
     grouped_mlp_unsupported,
 )
 
@@ -62,11 +63,15 @@ class FusedGroupedMLP(FusedOp):
         fc1, act, fc2 = self.ops
         offsets = extras["offsets"]
         probs = act.scale_of(x, extras)
+        kw = {"activation": act.activation, "glu_interleave": act.glu_interleave}
+        plan = grouped_mlp_plan(
+            x, offsets, fc1.weight, fc2.weight, probs, b1=fc1.bias, b2=fc2.bias, **kw
+        )
         y, h, a = grouped_mlp_forward(
-            x, offsets, fc1.weight, fc2.weight, probs, activation=act.activation,
-            glu_interleave=act.glu_interleave, b1=fc1.bias, b2=fc2.bias, store_h=self.store_h,
+            x, offsets, fc1.weight, fc2.weight, probs, b1=fc1.bias, b2=fc2.bias,
+            store_h=self.store_h, plan=plan, **kw,
         )  # fmt: skip
-        ctxs[0].x, ctxs[0].offsets = x, offsets
+        ctxs[0].x, ctxs[0].offsets, ctxs[0].mlp_plan = x, offsets, plan
         ctxs[1].h, ctxs[1].probs = h, probs
         ctxs[2].x, ctxs[2].offsets = a, offsets
         return y, None
@@ -84,6 +89,7 @@ class FusedGroupedMLP(FusedOp):
         dx, dw1, dw2, dp, db1, db2 = grouped_mlp_backward(
             dy, x, offsets, fc1.weight, fc2.weight, probs, h, a, activation=act.activation,
             glu_interleave=act.glu_interleave, b1=b1, b2=b2, needs=needs,
+            plan=getattr(ctxs[0], "mlp_plan", None),
         )  # fmt: skip
         params = ((dw1,) if b1 is None else (dw1, db1), (), (dw2,) if b2 is None else (dw2, db2))
         return dx, ({"probs": dp} if probs is not None else {}), params

@@ -26,7 +26,9 @@ class FusedAddRMSNorm(FusedOp):
 
     def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: dict) -> tuple:
         add, make, norm = self.ops
-        r = add.other(x, extras)
+        r = extras[add.name]
+        if not isinstance(r, torch.Tensor) or r.shape != x.shape or r.dtype != x.dtype:
+            r = add.other(x, extras)  # raises, naming the extra
         x2, r2 = rows(x), rows(r)
         validate_norm_inputs(x2, r2, norm.weight, norm.eps)
         y, ro, rstd = add_rmsnorm_forward(x2, r2, norm.weight, norm.eps, True)
