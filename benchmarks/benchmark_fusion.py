@@ -11,9 +11,12 @@ For each rule, a chain of basic ops is timed three ways, forward + backward:
   unfused     the same Sequential with every rule off (fusions(disable=["all"]))
 
 Figures: host µs per call while the GPU is kept busy (the target: sequential ≤ direct +
-max(10 µs, 10 %)), eager µs of back-to-back calls, and GPU µs from a CUDA graph of 20 calls
-(sequential equal to direct within noise). Rules: grouped_mlp, add_rmsnorm (+
-rmsnorm_residual_grad), moe on one GPU; allreduce_add_rmsnorm with --tp under torchrun.
+max(10 µs, 10 %)), best of 3 rounds taken in turns; eager µs of back-to-back calls; GPU µs
+from a CUDA graph of 10 calls for the host-bound shapes (sequential equal to direct within
+noise). One GPU: grouped_mlp, add_rmsnorm and moe, each chain alone (it runs the fused op
+directly), and add_rmsnorm after a Linear (the pipeline's autograd node runs that chain).
+--tp under torchrun: allreduce_add_rmsnorm (+ rmsnorm_residual_grad) after a row-parallel
+Linear.
 Writes fusion.json and fusion.png under --out (fusion_tp.* with --tp).
 """
 
@@ -116,6 +119,27 @@ def norm_case(T, H, dev):
     return seq, (direct, leaves), (sequential, leaves)
 
 
+def linear_norm_case(T, H, dev):
+    """A chain of two steps (Linear, then add_rmsnorm): the pipeline's own autograd node runs
+    it, where a chain of one fused op runs that op directly."""
+    seq = mf.Sequential(
+        mf.Linear(H, H, device=dev, dtype=DT), mf.AddExtraInput(), mf.MakeExtraOutput(),
+        mf.RMSNorm(H, device=dev, dtype=DT),
+    )  # fmt: skip
+    x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    w, wn = seq[0].weight, seq[3].weight
+
+    def direct():
+        return add_rmsnorm(torch.nn.functional.linear(x, w), r, wn, 1e-6)
+
+    def sequential():
+        return seq(x, r)
+
+    leaves = [x, r, w, wn]
+    return seq, (direct, leaves), (sequential, leaves)
+
+
 def moe_case(T, H, E, k, F, dev):
     seq = mf.Sequential(
         mf.Router(H, E, k, aux_loss_coeff=1e-2, device=dev, dtype=DT), mf.Permute(E),
@@ -204,6 +228,7 @@ def single_gpu_cases(smoke: bool, dev):
         return [
             ("mlp_tiny", "grouped_mlp", mlp_case(64, 4, 64, 64, dev)),
             ("norm_tiny", "add_rmsnorm", norm_case(16, 64, dev)),
+            ("linear_norm_tiny", "add_rmsnorm", linear_norm_case(16, 64, dev)),
             ("moe_tiny", "moe", moe_case(16, 64, 4, 2, 64, dev)),
         ]
     return [
@@ -213,6 +238,7 @@ def single_gpu_cases(smoke: bool, dev):
         ("moe T=8192 H=2048 E=64 k=8 F=1024", "moe", moe_case(8192, 2048, 64, 8, 1024, dev)),
         ("add_rmsnorm T=256 H=4096", "add_rmsnorm", norm_case(256, 4096, dev)),
         ("add_rmsnorm T=16384 H=4096", "add_rmsnorm", norm_case(16384, 4096, dev)),
+        ("linear+add_rmsnorm T=256 H=4096", "add_rmsnorm", linear_norm_case(256, 4096, dev)),
     ]
 
 

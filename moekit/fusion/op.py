@@ -85,7 +85,14 @@ class FusedOp:
     - ``fuser_backward(ctxs, dy, grads) -> (dx, input_grads, param_grads)``: ``input_grads``
       for the differentiable extras the window reads from outside it; ``param_grads`` one
       tuple per op of the window, as that op's ``op_backward`` would return.
+
+    A fused op that runs both passes may also set ``autograd_forward(x, extras) -> (y,
+    outputs)``: the same window through moekit's differentiable ops (their own autograd
+    Functions). A chain whose plan is this one op in both passes then runs it directly,
+    without the pipeline's autograd node and its host time.
     """
+
+    autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
 
     def __init__(self, ops: Sequence[BasicOp]) -> None:
         self.ops = tuple(ops)

@@ -40,11 +40,16 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_paramete
 class _Program:
     """A plan turned into the calls each pass makes."""
 
-    __slots__ = ("bwd", "fwd", "n_ops", "n_params", "plan", "slices")
+    __slots__ = ("bwd", "fwd", "n_ops", "n_params", "plan", "slices", "whole")
 
     def __init__(self, plan: Plan, slices: tuple[tuple[int, int], ...]) -> None:
         self.plan, self.slices, self.n_ops = plan, slices, len(plan.ops)
         self.n_params = slices[-1][1] if slices else 0
+        # One fused op for the whole chain in both passes, with an autograd form of its own:
+        # the call runs that directly (see FusedOp.autograd_forward).
+        self.whole = None
+        if len(plan.forward) == 1 and plan.backward == plan.forward:
+            self.whole = getattr(plan.forward[0].runner, "autograd_forward", None)
         self.fwd = tuple(_forward_call(s.lo, s.hi, s.runner) for s in plan.forward)
         self.bwd = tuple(
             (_backward_call(s.lo, s.hi, s.runner), s.lo) for s in reversed(plan.backward)
@@ -322,6 +327,9 @@ class Sequential(nn.Module):
         )
         prog = self._program(x, requires_grad)
         out_names = self.extra_output_names
+        if prog.whole is not None:
+            y, made = prog.whole(x, env)
+            return (y, *(made[n] for n in out_names)) if out_names else y
         if not requires_grad:
             y, _ = _run_forward(prog, x, env)
             return (y, *(env[n] for n in out_names)) if out_names else y

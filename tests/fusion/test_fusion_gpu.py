@@ -90,7 +90,16 @@ def test_add_rmsnorm_rules(shape):
     x = torch.randn(*shape, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     r = torch.randn(*shape, device=DEV, dtype=torch.bfloat16, requires_grad=True)
     _check(seq, [x, r], "add_rmsnorm")
-    assert "rmsnorm_residual_grad" in seq.plan(x).fused("backward")
+    assert seq.plan(x).fused("backward") == ["add_rmsnorm"]
+    # forward unfused, backward fused by rmsnorm_residual_grad alone
+    ref_seq = copy.deepcopy(seq).float()
+    ref_in = [t.detach().float().requires_grad_() for t in (x, r)]
+    want = _run(ref_seq.reference, ref_in, list(ref_seq.parameters()))
+    with mf.fusions(disable=["add_rmsnorm"]):
+        assert seq.plan(x).fused("backward") == ["rmsnorm_residual_grad"]
+        got = _run(seq, [x, r], list(seq.parameters()))
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert _rel(a, b) < 3e-2
 
 
 @pytest.mark.parametrize("weighted", [False, True])

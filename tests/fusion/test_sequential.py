@@ -84,8 +84,7 @@ forward:
   [1:4] add_rmsnorm(AddExtraInput, MakeExtraOutput, RMSNorm)
 backward:
   [0] Linear
-  [1] AddExtraInput
-  [2:4] rmsnorm_residual_grad(MakeExtraOutput, RMSNorm)"""
+  [1:4] add_rmsnorm(AddExtraInput, MakeExtraOutput, RMSNorm)"""
 
 
 @pytest.fixture
@@ -230,7 +229,7 @@ def test_plan_without_arguments_and_repr():
     assert str(p) == NORM_PLAN
     text = repr(seq)
     assert "plan:\n    forward:\n      [0] Linear" in text
-    assert "rmsnorm_residual_grad(MakeExtraOutput, RMSNorm)" in text
+    assert "[1:4] add_rmsnorm(AddExtraInput, MakeExtraOutput, RMSNorm)" in text
     assert "(3): RMSNorm(32, eps=1e-06)" in text
     if interpret_mode():  # a Router first: its hidden size
         E4 = 4
@@ -301,7 +300,7 @@ def test_ordered_dict_of_named_ops():
     assert list(seq.state_dict()) == ["proj.weight", "proj.bias", "norm.weight"]
     assert seq.norm is ops["norm"] and seq[3] is ops["norm"] and len(seq) == 4
     fused, _, _ = check_all_modes(seq, torch.randn(4, 16), [torch.randn(4, H)])
-    assert _fused(fused.plan) == (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    assert _fused(fused.plan) == (["add_rmsnorm"], ["add_rmsnorm"])
     with pytest.raises(TypeError, match="'bad'"):
         mf.Sequential(OrderedDict(ok=mf.Bias(4), bad=nn.Linear(4, 4)))
 
@@ -611,14 +610,14 @@ def test_env_turns_rules_off(monkeypatch):
     seq = _mlp_then_norm()
     x = torch.randn(6, H)
     assert _fused(seq.plan(x)) == (
-        ["grouped_mlp", "add_rmsnorm"], ["grouped_mlp", "rmsnorm_residual_grad"],
+        ["grouped_mlp", "add_rmsnorm"], ["grouped_mlp", "add_rmsnorm"],
     )  # fmt: skip
     monkeypatch.setenv("MOEKIT_FUSIONS", " -grouped_mlp ")  # read at each planning
     plan = seq.plan(x)
-    assert _fused(plan) == (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    assert _fused(plan) == (["add_rmsnorm"], ["add_rmsnorm"])
     assert "declined in forward at [0:3]: grouped_mlp (turned off)" in str(plan)
-    monkeypatch.setenv("MOEKIT_FUSIONS", "-grouped_mlp,-rmsnorm_residual_grad")
-    assert _fused(seq.plan(x)) == (["add_rmsnorm"], [])
+    monkeypatch.setenv("MOEKIT_FUSIONS", "-grouped_mlp,-add_rmsnorm")
+    assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])  # the backward alone
     monkeypatch.setenv("MOEKIT_FUSIONS", "-all")
     plan = seq.plan(x)
     assert _fused(plan) == ([], [])
@@ -680,7 +679,7 @@ def test_env_errors(monkeypatch, spec, match):
 def test_fusions_nests_and_restores():
     seq = _norm_chain()
     x = torch.randn(3, 16)
-    on = (["add_rmsnorm"], ["rmsnorm_residual_grad"])
+    on = (["add_rmsnorm"], ["add_rmsnorm"])
     assert _fused(seq.plan(x)) == on
     with fusions(disable=["add_rmsnorm"]):
         assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])

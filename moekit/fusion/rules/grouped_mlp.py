@@ -11,6 +11,7 @@ from moekit.fusion.ops.grouped import GroupedLinear
 from moekit.fusion.plan import Facts
 from moekit.fusion.registry import register_fusion
 from moekit.ops.grouped_mlp import (
+    grouped_mlp,
     grouped_mlp_backward,
     grouped_mlp_forward,
     grouped_mlp_plan,
@@ -53,7 +54,8 @@ def mlp_unsupported(facts: Facts, fc1: GroupedLinear, act: Activate, fc2: Groupe
 class FusedGroupedMLP(FusedOp):
     """Forward: two launches (fc1 with the activation and prob scale in its epilogue, fc2),
     leaving the three ops' contexts as their own forwards would. Backward: the fused grouped
-    MLP backward (five launches)."""
+    MLP backward (five launches). A chain of just these three ops calls
+    :func:`moekit.ops.grouped_mlp` itself (``autograd_forward``)."""
 
     def __init__(self, ops, store_h: bool) -> None:
         super().__init__(ops)
@@ -74,6 +76,15 @@ class FusedGroupedMLP(FusedOp):
         ctxs[0].x, ctxs[0].offsets, ctxs[0].mlp_plan = x, offsets, plan
         ctxs[1].h, ctxs[1].probs = h, probs
         ctxs[2].x, ctxs[2].offsets = a, offsets
+        return y, None
+
+    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
+        fc1, act, fc2 = self.ops
+        y = grouped_mlp(
+            x, extras["offsets"], fc1.weight, fc2.weight, act.scale_of(x, extras),
+            activation=act.activation, glu_interleave=act.glu_interleave, b1=fc1.bias,
+            b2=fc2.bias,
+        )  # fmt: skip
         return y, None
 
     def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: dict) -> tuple:

@@ -25,7 +25,9 @@ __all__ = ["FusedMoE"]
 
 
 class FusedMoE(FusedOp):
-    """Runs both passes of its window; its state is the recorded graph in the first context."""
+    """Runs both passes of its window; its state is the recorded graph in the first context.
+    A chain of just these six ops runs :meth:`run` under autograd itself (``autograd_forward``),
+    as :class:`moekit.nn.MoELayer` does."""
 
     def __init__(self, ops, use_probs: bool) -> None:
         super().__init__(ops)
@@ -41,6 +43,9 @@ class FusedMoE(FusedOp):
             glu_interleave=act.glu_interleave, b1=fc1.bias, b2=fc2.bias,
         )  # fmt: skip
         return (unpermute(rows, d, weighted=False),)
+
+    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
+        return self.run(x)[0], None
 
     def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: dict) -> tuple:
         params = [p for op in self.ops for p in op.parameters()]
