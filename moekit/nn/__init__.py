@@ -2,7 +2,7 @@
 
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.moe import MoELayer, SharedExpert
+from moekit.nn.moe import MoELayer, SharedExpert, routed_experts
 from moekit.nn.rmsnorm import RMSNorm
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
@@ -16,4 +16,5 @@ __all__ = [
     "RowParallelLinear",
     "SharedExpert",
     "TopKRouter",
+    "routed_experts",
 ]

@@ -7,17 +7,42 @@ attached to the output so that they train the router without the caller adding t
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from moekit.activations import apply_activation, resolve_activation
 from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_same_tokens
 from moekit.nn.grouped_mlp import GroupedMLP
-from moekit.nn.router import TopKRouter
+from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.permute import permute, unpermute
 from moekit.ops.router_losses import attach_loss
 
-__all__ = ["MoELayer", "SharedExpert"]
+__all__ = ["MoELayer", "SharedExpert", "routed_experts"]
+
+
+def routed_experts(
+    tokens: torch.Tensor,  # [T, H]
+    route: RouterOutput,
+    experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    *,
+    num_experts: int,
+    align: int | None = None,
+    capacity_factor: float | None = None,
+    scale_by_probs: bool = True,
+) -> torch.Tensor:  # [T, H']
+    """The routed part of an MoE layer on one device: permute the tokens by ``route``, run
+    ``experts(rows [R, H], offsets [E], row_probs [R] | None) -> [R, H']`` (the probs, in the
+    rows' dtype, are applied inside the experts' activation), and sum each token's rows back
+    unweighted. Differentiable in the tokens, the route's probs and whatever ``experts``
+    uses."""
+    d = permute(
+        tokens, route.indices, route.probs, num_experts=num_experts, align=align,
+        capacity_factor=capacity_factor,
+    )  # fmt: skip
+    probs = d.probs.to(d.hidden.dtype) if scale_by_probs else None
+    return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False)
 
 
 class SharedExpert(nn.Module):
@@ -112,6 +137,24 @@ class MoELayer(nn.Module):
         self.last_counts: torch.Tensor | None = None
         self._checked_token_counts: set[int] = set()
 
+    def _expert_parallel(self, tokens: torch.Tensor, r: RouterOutput) -> torch.Tensor:
+        """The routed experts over ``ep_group``: rows travel to their experts' ranks and back."""
+        d = permute(
+            tokens, r.indices, r.probs, num_experts=self.num_experts,
+            capacity_factor=self.capacity_factor,
+        )  # fmt: skip
+        if self.capacity_factor is None:
+            ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
+        else:
+            if tokens.shape[0] not in self._checked_token_counts:
+                check_same_tokens(tokens.shape[0], tokens.device, self.ep_group)
+                self._checked_token_counts.add(tokens.shape[0])
+            capacity = d.num_rows // self.num_experts
+            ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
+        local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
+        rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
+        return unpermute(rows, d, weighted=False)  # the probs were applied in the experts
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H = self.router.weight.shape[1]
         if not isinstance(x, torch.Tensor) or x.shape[-1] != H:
@@ -122,24 +165,13 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, H)
         r = self.router(tokens)
         self.last_counts = r.counts
-        d = permute(
-            tokens, r.indices, r.probs, num_experts=self.num_experts, align=self.align,
-            capacity_factor=self.capacity_factor,
-        )  # fmt: skip
         if self.ep_group is None:
-            rows = self.experts(d.hidden, d.offsets, d.probs.to(d.hidden.dtype))
+            y = routed_experts(
+                tokens, r, self.experts, num_experts=self.num_experts, align=self.align,
+                capacity_factor=self.capacity_factor,
+            )  # fmt: skip
         else:
-            if self.capacity_factor is None:
-                ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
-            else:
-                if tokens.shape[0] not in self._checked_token_counts:
-                    check_same_tokens(tokens.shape[0], tokens.device, self.ep_group)
-                    self._checked_token_counts.add(tokens.shape[0])
-                capacity = d.num_rows // self.num_experts
-                ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
-            local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
-            rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
-        y = unpermute(rows, d, weighted=False)  # the probs were applied in the experts
+            y = self._expert_parallel(tokens, r)
         if self.shared is not None:
             y = y + self.shared(tokens)
         losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]

@@ -18,8 +18,9 @@ from moekit.fusion.ops.moe import Permute, Router, Unpermute
 from moekit.fusion.plan import Facts
 from moekit.fusion.registry import register_fusion
 from moekit.fusion.rules.grouped_mlp import mlp_unsupported
+from moekit.nn.moe import routed_experts
+from moekit.nn.router import RouterOutput
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.permute import unpermute
 
 __all__ = ["FusedMoE"]
 
@@ -35,14 +36,20 @@ class FusedMoE(FusedOp):
 
     def run(self, x: torch.Tensor) -> tuple[torch.Tensor]:
         router, permute, fc1, act, fc2, _ = self.ops
-        y, probs, indices = router.route(x)
-        d = permute.permute(y, probs, indices)
-        p = d.probs.to(d.hidden.dtype) if self.use_probs else None
-        rows = grouped_mlp(
-            d.hidden, d.offsets, fc1.weight, fc2.weight, p, activation=act.activation,
-            glu_interleave=act.glu_interleave, b1=fc1.bias, b2=fc2.bias,
+        y, probs, indices = router.route(x)  # y: x with the router's losses attached
+
+        def experts(rows, offsets, row_probs):
+            return grouped_mlp(
+                rows, offsets, fc1.weight, fc2.weight, row_probs, activation=act.activation,
+                glu_interleave=act.glu_interleave, b1=fc1.bias, b2=fc2.bias,
+            )  # fmt: skip
+
+        route = RouterOutput(probs, indices, router.last_counts, None, None)
+        out = routed_experts(
+            y, route, experts, num_experts=permute.num_experts, align=permute.align,
+            capacity_factor=permute.capacity_factor, scale_by_probs=self.use_probs,
         )  # fmt: skip
-        return (unpermute(rows, d, weighted=False),)
+        return (out,)
 
     def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
         return self.run(x)[0], None
