@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit.fusion.op import BasicOp, OpContext
+from moekit.nn.rmsnorm import RMSNorm as RMSNormModule
 from moekit.ops.rmsnorm import add_rmsnorm_backward, add_rmsnorm_forward, validate_norm_inputs
 
 __all__ = ["LayerNorm", "RMSNorm"]
@@ -25,23 +26,11 @@ def rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1]) if t.is_contiguous() else t.contiguous().view(-1, t.shape[-1])
 
 
-class RMSNorm(BasicOp):
-    """``y = x · rsqrt(mean(x²) + eps) · weight`` (fp32 inside; moekit's kernel on the GPU).
+class RMSNorm(BasicOp, RMSNormModule):
+    """``y = x · rsqrt(mean(x²) + eps) · weight`` (fp32 inside; moekit's kernel on the GPU): a
+    :class:`moekit.nn.RMSNorm` (same arguments and parameter) as a basic op.
 
     Context: ``x`` (the input as ``[T, H]`` rows) and ``rstd [T]`` fp32."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        eps: float = 1e-6,
-        *,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.hidden_size = _check_hidden(hidden_size)
-        self.eps = float(eps)
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
         x2 = rows(x)
@@ -70,9 +59,6 @@ class RMSNorm(BasicOp):
         xf = x.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps) * self.weight.float()
         return y.to(x.dtype), {}
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"
 
 
 class LayerNorm(BasicOp):
