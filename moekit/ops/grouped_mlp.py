@@ -42,6 +42,7 @@ from moekit.ops.validation import (
 )
 from moekit.runtime.cache import cached
 from moekit.runtime.device import use_triton
+from moekit.runtime.eager import owned_gradient
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
@@ -109,16 +110,14 @@ def _dact(dy, w2, offsets, h, probs, dh, a_re, part, dp, act, interleave) -> Non
         kernels.segment_colsum(used, None, dp.view(1, -1))
 
 
-def _fc1_grads(dy, dh, w1, x, offsets, dx, target1, accumulate1: bool, db1, db2) -> None:
-    """fc1 dgrad, fc1 wgrad (into ``target1``: dw1 or w1.main_grad), the bias gradients."""
+def _fc1_grads(dh, w1, x, offsets, dx, target1, accumulate1: bool, db1) -> None:
+    """fc1 dgrad, fc1 wgrad (into ``target1``: dw1 or w1.main_grad), fc1's bias gradient."""
     if dx is not None:
         launch_ragged_m(dh, w1, offsets, None, dx)
     if target1 is not None:
         launch_ragged_k(dh.t(), x, offsets, target1, accumulate1)
     if db1 is not None:
         kernels.segment_colsum(dh, offsets, db1)
-    if db2 is not None:
-        kernels.segment_colsum(dy, offsets, db2)
 
 
 def _tma_layouts(x, offsets, w1, w2, probs, b1, b2) -> tuple:
@@ -252,6 +251,7 @@ def _backward_impl(
     b1_dtype: torch.dtype,
     b2_dtype: torch.dtype,
     release: bool,  # free h and the activation as soon as they are consumed
+    dy_owned: bool,  # nothing else holds dy: dx may take its memory once it is dead
     plan_uid: int,  # as in _forward_impl
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each None where it is
@@ -267,10 +267,12 @@ def _backward_impl(
         x, offsets, w1, w2, probs, b1, _ = _tma_layouts(x, offsets, w1, w2, probs, b1, None)
     if _released(h):  # a second backward through the same graph (retain_graph=True)
         h, a = _recompute(x, offsets, w1, w2, probs, b1, a, act, inter)
+    given = dy
     dy = tma_rows(dy if dy.dtype == x.dtype else dy.to(x.dtype))
+    dy_owned = (dy_owned or dy is not given) and dy.is_contiguous()
     return _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
-        (b1_dtype, b2_dtype), release, uid,
+        (b1_dtype, b2_dtype), release, release and dy_owned, uid,
     )  # fmt: skip
 
 
@@ -292,9 +294,14 @@ class _Backward:
 
     Small problems (or when memory is not released) allocate every gradient first and run the
     five launches as one replayed segment; large ones run three segments, freeing h and the
-    activation before dx and dw1 are allocated in their place."""
+    activation before dx and dw1 are allocated in their place. dy is dead after the second
+    segment, so when nothing else holds it (``reuse_dy``) dx is written into its memory: the
+    peak then holds one [R, H] gradient instead of two."""
 
-    def __init__(self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid):
+    def __init__(
+        self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid, reuse_dy
+    ):  # fmt: skip
+        self.reuse_dy = reuse_dy
         self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
         self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
         self.needs, self.bias_dtypes = needs, bdt
@@ -329,15 +336,16 @@ class _Backward:
         x, (E, H, F_) = self.x, self.w2.shape
         if self.needs[2]:
             self.t2 = self.mg2 if self.mg2 is not None else x.new_empty(E, H, F_)
+        self.db2 = x.new_empty(E, H, dtype=self.bias_dtypes[1]) if self.needs[5] else None
 
-    def alloc_fc1(self) -> None:
+    def alloc_fc1(self, reuse_dy: bool) -> None:
         x, (E, W1, H) = self.x, self.w1.shape
-        need_x, need_w1, _, _, need_b1, need_b2 = self.needs
-        self.dx = x.new_empty(x.shape) if need_x else None
+        need_x, need_w1, _, _, need_b1, _ = self.needs
+        if need_x:
+            self.dx = self.dy if reuse_dy else x.new_empty(x.shape)
         if need_w1:
             self.t1 = self.mg1 if self.mg1 is not None else x.new_empty(E, W1, H)
         self.db1 = x.new_empty(E, W1, dtype=self.bias_dtypes[0]) if need_b1 else None
-        self.db2 = x.new_empty(E, H, dtype=self.bias_dtypes[1]) if need_b2 else None
 
     def dact(self) -> None:
         _dact(
@@ -346,13 +354,16 @@ class _Backward:
         )  # fmt: skip
 
     def wgrad2(self) -> None:
+        """fc2's weight and bias gradients: the last reads of dy."""
         if self.t2 is not None:
             launch_ragged_k(self.dy.t(), self.act_out, self.offsets, self.t2, self.mg2 is not None)
+        if self.db2 is not None:
+            kernels.segment_colsum(self.dy, self.offsets, self.db2)
 
     def fc1(self) -> None:
         _fc1_grads(
-            self.dy, self.dh, self.w1, self.x, self.offsets, self.dx, self.t1,
-            self.mg1 is not None, self.db1, self.db2,
+            self.dh, self.w1, self.x, self.offsets, self.dx, self.t1, self.mg1 is not None,
+            self.db1,
         )  # fmt: skip
 
     def _replay(self, segment: str, roles: tuple, body) -> None:
@@ -365,10 +376,10 @@ class _Backward:
 
     def one_segment(self) -> None:
         self.alloc_w2()
-        self.alloc_fc1()
+        self.alloc_fc1(reuse_dy=False)
         roles = (
             self.dy, self.offsets, self.w2, self.h, self.probs, self.dh, self.a_re, self.part,
-            self.dp, self.a, self.t2, self.w1, self.x, self.dx, self.t1, self.db1, self.db2,
+            self.dp, self.a, self.t2, self.db2, self.w1, self.x, self.dx, self.t1, self.db1,
         )  # fmt: skip
         self._replay("all", roles, lambda: (self.dact(), self.wgrad2(), self.fc1()))
 
@@ -378,11 +389,12 @@ class _Backward:
         self.part = None
         _release(self.h)
         self.alloc_w2()
-        self._replay("wgrad2", (self.dy, self.offsets, self.act_out, self.t2), self.wgrad2)
+        roles = (self.dy, self.offsets, self.act_out, self.t2, self.db2)
+        self._replay("wgrad2", roles, self.wgrad2)
         _release(self.act_out)
-        self.alloc_fc1()
-        roles = (self.dh, self.offsets, self.w1, self.x, self.dx, self.t1, self.db1, self.db2)
-        self._replay("fc1", (*roles, self.dy), self.fc1)
+        self.alloc_fc1(self.reuse_dy)
+        roles = (self.dh, self.offsets, self.w1, self.x, self.dx, self.t1, self.db1)
+        self._replay("fc1", roles, self.fc1)
 
     def outputs(self) -> tuple:
         t1 = None if self.mg1 is not None else self.t1
@@ -391,11 +403,13 @@ class _Backward:
 
 
 def _run_backward(
-    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release, uid
-):
+    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release,
+    reuse_dy, uid,
+):  # fmt: skip
     bwd = _Backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, uid
-    )
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, uid,
+        reuse_dy,
+    )  # fmt: skip
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES:
         bwd.one_segment()
     else:
@@ -430,11 +444,14 @@ class _GroupedMLPFn(torch.autograd.Function):
         mg1, mg2 = ctx.main_grads
         n = ctx.needs_input_grad
         needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
-        eager = eager_shortcut((grad,))
-        run = _backward.impl if eager and ctx.eager else _backward
+        direct = eager_shortcut((grad,)) and ctx.eager
+        run = _backward.impl if direct else _backward
+        # only the direct call may return dx in grad's memory (a custom op's outputs cannot
+        # alias its inputs)
+        owned = direct and owned_gradient(grad)
         dx, dw1, dw2, dp, db1, db2 = run(
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.bias_dtypes, eager, ctx.plan_uid,
+            *ctx.bias_dtypes, direct, owned, ctx.plan_uid,
         )  # fmt: skip
         if run is _backward:  # the custom op returns an empty tensor for each None
             wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
@@ -826,7 +843,7 @@ def grouped_mlp_backward(
         needs[3] = False
     out = _backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act.name, act.limit, act.alpha,
-        act.offset, plan.interleave or 0, needs, *bias_dtypes, False, plan.uid,
+        act.offset, plan.interleave or 0, needs, *bias_dtypes, False, False, plan.uid,
     )  # fmt: skip
     wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
     # the custom op (not plain eager) returns an empty tensor for each gradient not computed

@@ -1,11 +1,14 @@
-"""Whether a call runs in plain eager mode, where ops may skip the dispatcher (ops/custom_op.py)."""
+"""Whether a call runs in plain eager mode, where ops may skip the dispatcher (ops/custom_op.py),
+and whether a backward may overwrite the gradient it was handed."""
 
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch import nn
 
-__all__ = ["plain_eager"]
+__all__ = ["owned_gradient", "plain_eager"]
 
 # Argument types that need no closer look (a tensor subclass is not among them).
 _SIMPLE = frozenset(
@@ -29,3 +32,63 @@ def plain_eager(args: tuple) -> bool:
         if type(a) not in _SIMPLE and isinstance(a, torch.Tensor):
             return False
     return True
+
+
+def _python_refs(t: torch.Tensor) -> int:
+    return sys.getrefcount(t)
+
+
+def _references(grad: torch.Tensor) -> tuple[int, int, int] | None:
+    """(references to the tensor object, to its TensorImpl, to its storage); None where this
+    torch does not expose them."""
+    try:
+        storage = torch._C._storage_Use_Count(grad.untyped_storage()._cdata) - 1  # not ours
+        return _python_refs(grad), grad._use_count(), storage
+    except (AttributeError, RuntimeError, TypeError):
+        return None
+
+
+class _Calibration(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _record(grad)
+        return grad
+
+
+def _record(grad: torch.Tensor) -> None:
+    _CALIBRATED.append(_references(grad))  # at the call depth of owned_gradient's look
+
+
+_CALIBRATED: list = []
+
+
+def _exclusive_references() -> tuple[int, int, int] | None:
+    """The references a gradient that nothing else holds has inside a Function's backward,
+    seen on a tiny CPU graph (the count of Python references depends on how torch calls the
+    backward, so it is measured, not assumed). Measured at import, outside any backward: a
+    backward run inside another could count differently."""
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            x = torch.zeros(2, requires_grad=True)
+            (_Calibration.apply(x) * 2.0).sum().backward()
+    except RuntimeError:
+        return None
+    return _CALIBRATED.pop() if _CALIBRATED else None
+
+
+_EXCLUSIVE = _exclusive_references()
+
+
+def owned_gradient(grad: torch.Tensor) -> bool:
+    """Whether ``grad``, the gradient an autograd Function's ``backward`` was handed (call this
+    from ``backward`` itself, passing its argument), is referenced by nothing else: no other
+    node, hook, ``.grad`` or user variable holds the tensor, a view of it or its storage. Such
+    a gradient is dead once the backward has read it, so its memory may take an output.
+    Conservative: False whenever a count is unavailable or differs from a lone gradient's."""
+    if grad._base is not None or not grad.is_contiguous():
+        return False
+    return _EXCLUSIVE is not None and _references(grad) == _EXCLUSIVE

@@ -3,11 +3,14 @@ path gives, and every op's shortcut path matches its dispatcher path (values and
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
 from moekit.ops import grouped_linear, grouped_mlp, grouped_mm
 from moekit.ops.custom_op import dispatcher_only, function_apply, kernel_op
+from moekit.runtime.eager import owned_gradient
 
 
 class _Scale(torch.autograd.Function):
@@ -119,3 +122,70 @@ def test_every_op_matches_its_dispatcher_path():
     w2 = torch.randn(E, K, 16, requires_grad=True)
     p = torch.rand(T, requires_grad=True)
     _both_paths(lambda x, w1, w2, p: grouped_mlp(x, off, w1, w2, p), (a, w1, w2, p))
+
+
+class _Probe(torch.autograd.Function):
+    """Notes whether the gradient its backward receives is owned by nothing else."""
+
+    seen: ClassVar[list[bool]] = []
+
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, g):
+        _Probe.seen.append(owned_gradient(g))
+        return g * 2
+
+
+def _fresh(y, w):
+    (y * w).sum().backward()
+
+
+def _hook_returns_new(y, w):
+    y.register_hook(lambda g: g * 1)
+    (y * w).sum().backward()
+
+
+def _hook_keeps(y, w):
+    kept = []
+    y.register_hook(kept.append)
+    (y * w).sum().backward()
+
+
+def _shared_with_leaf(y, w):
+    (y + w).backward(torch.ones_like(w))
+
+
+def _callers_tensor(y, w):
+    y.backward(w.detach())
+
+
+def _post_hook(y, w):
+    y.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+    (y * w).sum().backward()
+
+
+def _expanded(y, w):
+    y.sum().backward()
+
+
+OWNERSHIP_CASES = {
+    _fresh: True,
+    _hook_returns_new: True,
+    _hook_keeps: False,
+    _shared_with_leaf: False,
+    _callers_tensor: False,
+    _post_hook: False,
+    _expanded: False,
+}
+
+
+@pytest.mark.parametrize("run", list(OWNERSHIP_CASES), ids=lambda f: f.__name__)
+def test_owned_gradient_only_when_nothing_else_holds_it(run):
+    x = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    _Probe.seen.clear()
+    run(_Probe.apply(x), w)
+    assert _Probe.seen == [OWNERSHIP_CASES[run]]

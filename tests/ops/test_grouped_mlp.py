@@ -18,6 +18,7 @@ import torch
 from moekit import Activation
 from moekit.ops import grouped_mlp
 from moekit.reference.grouped_mlp import grouped_mlp_ref
+from moekit.runtime.device import use_triton
 
 GATED = ("swiglu", "geglu", "clamped_swiglu")
 ALL = (*GATED, "relu2", "gelu", "silu")
@@ -213,6 +214,66 @@ def test_frozen_weight_with_main_grad_is_left_alone(segments):
         assert _rel(g, r) < 1e-5
 
 
+class _Tap(torch.autograd.Function):
+    """Identity whose backward notes the address of the gradient it receives."""
+
+    @staticmethod
+    def forward(ctx, t, seen):
+        ctx.seen = seen
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(g.data_ptr())
+        return g, None
+
+
+class _Fresh(torch.autograd.Function):
+    """Identity whose backward hands on a fresh gradient (as unpermute's does), noting its
+    address."""
+
+    @staticmethod
+    def forward(ctx, t, seen):
+        ctx.seen = seen
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        out = g * 1.0
+        ctx.seen.append(out.data_ptr())
+        return out, None
+
+
+def _mlp_between_taps(hook=None):
+    counts = [14, 0, 25, 9]
+    x, w1, w2, p, _, _ = _make(sum(counts), 4, 32, 48, "swiglu")
+    off = _offsets(counts)
+    into, given = [], []
+    y = grouped_mlp(_Tap.apply(x, into), off, w1, w2, p)
+    if hook is not None:
+        y.register_hook(hook)
+    dz = torch.randn_like(y)
+    (_Fresh.apply(y, given) * dz).sum().backward()
+    ref = torch.autograd.grad(grouped_mlp_ref(x, off, w1, w2, p), (x, w1, w2, p), dz)
+    for got, r in zip((x.grad, w1.grad, w2.grad, p.grad), ref):
+        assert _rel(got, r) < 1e-4
+    return x, dz, into[0] == given[0]
+
+
+def test_dx_takes_the_memory_of_a_gradient_nothing_else_holds(segments):
+    # Memory: when the incoming gradient is dead after fc2's backward (nothing else holds it),
+    # the large-problem backward writes dx into it instead of holding two [R, H] gradients.
+    x, _, reused = _mlp_between_taps()
+    assert reused == (segments == "three" and use_triton(x))
+
+
+def test_a_gradient_held_elsewhere_is_never_overwritten(segments):
+    kept = []
+    _, dz, reused = _mlp_between_taps(hook=kept.append)
+    assert not reused
+    torch.testing.assert_close(kept[0], dz, rtol=0, atol=0)
+
+
 def test_fallback_for_unaligned_f_and_interleave_warns_once(interpret, monkeypatch):
     if not interpret:
         pytest.skip("the fallback is a property of the fused (Triton) path")
@@ -345,3 +406,37 @@ def test_gpu_replay_with_main_grad_and_misaligned_probs():
         assert _rel(y, y_ref) < 2e-2 and _rel(gx, rx) < 3e-2 and _rel(gp, rp) < 3e-2
         assert w1.grad is None and w2.grad is None
     assert _rel(w1.main_grad, want1) < 3e-2 and _rel(w2.main_grad, want2) < 3e-2
+
+
+@pytest.mark.gpu
+def test_gpu_backward_peak_holds_one_row_gradient():
+    """permute → grouped_mlp → unpermute at a size that runs three backward segments: dx takes
+    the memory of unpermute's row gradient, so the backward's peak is one [R, H] gradient
+    lower than when something else (here a hook) keeps that gradient alive."""
+    from moekit.ops import permute, unpermute
+
+    T, k, E, H, F = 4096, 8, 16, 2048, 768
+    tokens = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    _, w1, w2, _, _, _ = _make(16, E, H, F, "swiglu", torch.bfloat16, "cuda")
+    ids = torch.randint(0, E, (T, k), device="cuda")
+    probs = torch.rand(T, k, device="cuda").softmax(-1)
+
+    def backward_peak(keep_grad: bool) -> int:
+        d = permute(tokens, ids, probs, num_experts=E)
+        rows = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(torch.bfloat16))
+        kept = []
+        if keep_grad:
+            rows.register_hook(kept.append)
+        out = unpermute(rows, d, weighted=False)
+        dout = torch.randn_like(out)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        out.backward(dout)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    backward_peak(False)  # tune and compile first
+    owned, kept = backward_peak(False), backward_peak(True)
+    row_grad = T * k * H * 2
+    assert kept - owned >= 0.9 * row_grad, (owned, kept, row_grad)
