@@ -76,6 +76,7 @@ import triton
 import triton.language as tl
 
 from moekit.kernels.rmsnorm import block_h
+from moekit.runtime.intmath import cdiv, next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.tuning.allreduce import LAMPORT_ALGOS, TWO_SHOT_ALGOS, AllreduceConfig
 
@@ -531,11 +532,11 @@ def fused_allreduce(
         _allreduce_fused_kernel, (config.grid,),
         x, residual if residual is not None else x, weight if weight is not None else x, ro,
         y if y is not None else ro, rstd if rstd is not None else ro, peer_bases, epochs,
-        T, H, triton.cdiv(T, world), rank, space.half_bytes, space.lamport_offset,
+        T, H, cdiv(T, world), rank, space.half_bytes, space.lamport_offset,
         space.lamport_slot_bytes, eps,
         x.stride(0), residual.stride(0) if residual is not None else 0, ro.stride(0),
         y.stride(0) if y is not None else 0,
-        WORLD=world, WORLD_P2=triton.next_power_of_2(world), BLOCK_H=block_h(H),
+        WORLD=world, WORLD_P2=next_power_of_2(world), BLOCK_H=block_h(H),
         TWO_SHOT=algo in TWO_SHOT_ALGOS, LAMPORT=algo in LAMPORT_ALGOS,
         SPLIT=config.split, GATHER_TILE=config.gather_tile,
         HAS_RESIDUAL=residual is not None, HAS_NORM=weight is not None,

@@ -45,6 +45,7 @@ from moekit.kernels.ragged import (
     swizzle_tile,
 )
 from moekit.runtime.device import ensure_scratch_allocator, num_sms, tile_counter
+from moekit.runtime.intmath import next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.runtime.tma import tma_ready
 from moekit.tuning.grouped_gemm import GemmConfig
@@ -512,7 +513,7 @@ def grouped_mm_ragged_m(
         bias.stride(0) if bias is not None else 0,
         B_K_MAJOR=b.stride(1) == 1 and b.stride(2) != 1, HAS_BIAS=bias is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
         NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=config.c_tma,
         WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
         EXPERT_GROUPS=config.expert_groups, A_BOUNDED=config.a_bounded,
@@ -548,7 +549,7 @@ def grouped_mm_ragged_k(
         a.stride(1), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
         ACCUMULATE=accumulate,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
         NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=c_tma,
         WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
         DYNAMIC=config.dynamic, STATIC_SLACK_PCT=config.static_slack_pct,

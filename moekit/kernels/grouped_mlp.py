@@ -35,6 +35,7 @@ from moekit.kernels.ragged import (
     split_small_experts,
 )
 from moekit.runtime.device import ensure_scratch_allocator, num_sms
+from moekit.runtime.intmath import cdiv, next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.tuning.grouped_gemm import GemmConfig
 
@@ -460,7 +461,7 @@ def grouped_mlp_fc1(
         OFFSET=act.offset, HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None,
         STORE_H=h_out is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
         NUM_PROGRAMS=sms, FLATTEN=config.flatten,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -490,7 +491,7 @@ def grouped_mlp_dact(
     R, H = dy.shape
     E, _, F = w2.shape
     sms = num_sms(dy)
-    num_n = triton.cdiv(F, config.block_n)
+    num_n = cdiv(F, config.block_n)
     part = part_out[:num_n] if probs is not None else None
     launch(
         _grouped_mlp_dact_kernel, (sms,),
@@ -504,7 +505,7 @@ def grouped_mlp_dact(
         GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
         OFFSET=act.offset, HAS_PROBS=probs is not None, STORE_A=a_out is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(triton.next_power_of_2(E), 16), GROUP_M=config.group_m,
+        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
         NUM_PROGRAMS=sms, FLATTEN=config.flatten, SUBTILE=config.block_n >= 32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
@@ -520,7 +521,7 @@ def segment_colsum(
     T, N = x.shape
     S = out.shape[0]
     block_n = 32 if interpret_mode() else 256
-    grid = (S, triton.cdiv(N, block_n))
+    grid = (S, cdiv(N, block_n))
     launch(
         _segment_colsum_kernel, grid,
         x, out, offsets if offsets is not None else out,

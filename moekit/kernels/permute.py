@@ -46,6 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.runtime.intmath import cdiv, next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.tuning.permute import CopyConfig, MetaConfig
 
@@ -157,7 +158,7 @@ def _routing_rows_kernel(
 
 def metadata_blocks(n: int, config: MetaConfig) -> int:
     """Blocks of the metadata launches for N = T·k pairs (at least one)."""
-    return max(triton.cdiv(n, config.block_n), 1)
+    return max(cdiv(n, config.block_n), 1)
 
 
 def metadata_scratch_numel(n: int, num_experts: int, config: MetaConfig) -> int:
@@ -184,7 +185,7 @@ def routing_metadata(
     n, E = indices.numel(), num_experts
     num_blocks = metadata_blocks(n, config)
     # tl.histogram wants a power-of-two bin count of at least a warp.
-    e_pad = max(triton.next_power_of_2(E), 32)
+    e_pad = max(next_power_of_2(E), 32)
     block_counts = scratch[: num_blocks * E].view(num_blocks, E)
     block_offsets = scratch[num_blocks * E : 2 * num_blocks * E].view(num_blocks, E)
     totals = scratch[2 * num_blocks * E : (2 * num_blocks + 1) * E]
@@ -195,7 +196,7 @@ def routing_metadata(
         flat, block_counts, n, E, BLOCK_N=block_n, E_PAD=e_pad, num_warps=config.hist_warps,
     )  # fmt: skip
     launch(
-        _routing_scan_kernel, (triton.cdiv(E, config.scan_block_e),),
+        _routing_scan_kernel, (cdiv(E, config.scan_block_e),),
         block_counts, block_offsets, totals, E, num_blocks,
         BLOCK_E=config.scan_block_e, BLOCK_B=config.scan_block_b, num_warps=config.scan_warps,
     )  # fmt: skip
@@ -433,9 +434,9 @@ def scatter_rows(
     k = row_index.shape[1]
     R = out.shape[0]
     E = offsets.numel() if offsets is not None else 0
-    pad_split = triton.cdiv(align - 1, _PAD_CHUNK) if align > 1 else 1
+    pad_split = cdiv(align - 1, _PAD_CHUNK) if align > 1 else 1
     pad_n = E * pad_split if align > 1 else 0
-    tail_n = triton.cdiv(max(R - tail_lo, 0), _TAIL_ROWS)
+    tail_n = cdiv(max(R - tail_lo, 0), _TAIL_ROWS)
     grid = (T + pad_n + tail_n,)
     if grid[0] == 0:
         return
@@ -447,7 +448,7 @@ def scatter_rows(
         *(t if t is not None else dummy for t in (out_vals, offsets, tokens_per_expert)),
         T, H, R, E, tail_lo,
         x.stride(0), dot_src.stride(0) if dot_src is not None else 0, out.stride(0),
-        K=k, K_PAD=triton.next_power_of_2(max(k, 1)),
+        K=k, K_PAD=next_power_of_2(max(k, 1)),
         COPY_VALS=slot_vals is not None, WEIGHTED=row_weight is not None,
         DOT=dot_src is not None, HAS_VALS=out_vals is not None,
         PAD_PROGRAMS=pad_n, PAD_SPLIT=pad_split, PAD_CHUNK=_PAD_CHUNK,
@@ -479,7 +480,7 @@ def gather_rows(
         src, row_index,
         *(t if t is not None else dummy for t in (row_weight, row_vals, out, out_vals)),
         H, R, src.stride(0), out.stride(0),
-        K=k, K_PAD=triton.next_power_of_2(max(k, 1)),
+        K=k, K_PAD=next_power_of_2(max(k, 1)),
         WEIGHTED=row_weight is not None, GATHER_VALS=row_vals is not None,
         BLOCK_H=config.block_h, LOOP_K=config.loop_k, EVICT=_evict(config),
         num_warps=config.num_warps,

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.runtime.intmath import next_power_of_2
 from moekit.runtime.replay import launch
 
 __all__ = ["add_rmsnorm_bwd", "add_rmsnorm_fwd", "block_h"]
@@ -31,7 +32,7 @@ __all__ = ["add_rmsnorm_bwd", "add_rmsnorm_fwd", "block_h"]
 
 def block_h(h: int) -> int:
     """Power-of-two tile that covers one row of ``h`` elements."""
-    return triton.next_power_of_2(h)
+    return next_power_of_2(h)
 
 
 @triton.jit

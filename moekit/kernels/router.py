@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moekit.runtime.intmath import cdiv, next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.tuning.router import RouterConfig
 
@@ -171,13 +172,13 @@ def topk_routing_fwd(
     k = probs.shape[1]
     groups = num_groups or 0
     launch(
-        _topk_routing_fwd_kernel, (triton.cdiv(T, config.block_t),),
+        _topk_routing_fwd_kernel, (cdiv(T, config.block_t),),
         logits, expert_bias if expert_bias is not None else logits, probs, indices, counts,
         T, E, logits.stride(0), float(scaling),
-        K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_K=triton.next_power_of_2(k),
+        K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_K=next_power_of_2(k),
         SIGMOID=score == "sigmoid", HAS_BIAS=expert_bias is not None, NORMALIZE=normalize,
         NUM_GROUPS=groups, TOPK_GROUPS=topk_groups or 0, GROUP_SIZE=E // groups if groups else 1,
-        BLOCK_G=triton.next_power_of_2(max(groups, 1)), LOWEST=LOWEST_SCORE,
+        BLOCK_G=next_power_of_2(max(groups, 1)), LOWEST=LOWEST_SCORE,
         EPS=SIGMOID_EPS if score == "sigmoid" else 0.0, num_warps=config.num_warps,
     )  # fmt: skip
 
@@ -195,9 +196,9 @@ def topk_routing_bwd(
     T, E = logits.shape
     k = indices.shape[1]
     launch(
-        _topk_routing_bwd_kernel, (triton.cdiv(T, config.block_t),),
+        _topk_routing_bwd_kernel, (cdiv(T, config.block_t),),
         logits, indices, grad_probs, dlogits, T, E, logits.stride(0), dlogits.stride(0),
         float(scaling), K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e,
-        BLOCK_K=triton.next_power_of_2(k), SIGMOID=score == "sigmoid", NORMALIZE=normalize,
+        BLOCK_K=next_power_of_2(k), SIGMOID=score == "sigmoid", NORMALIZE=normalize,
         EPS=SIGMOID_EPS if score == "sigmoid" else 0.0, num_warps=config.num_warps,
     )  # fmt: skip

@@ -725,6 +725,12 @@ def grouped_mlp(
         a = plan.act
         # one eager check for the whole call: the Function and its kernel ops skip theirs
         eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2))
+        if not plan.for_backward:  # no gradient wanted (e.g. generation): no autograd node
+            run = _forward.impl if eager else _forward
+            return run(
+                x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
+                plan.interleave or 0, False, plan.uid,
+            )[0]  # fmt: skip
         apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
         return apply(
             x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),

@@ -200,6 +200,20 @@ def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _permute_rows(hidden, probs, row_index, offsets, tokens_per_expert, num_rows, align, tail_lo):
+    vals_dtype = probs.dtype if probs is not None else hidden.dtype
+    return scatter(
+        hidden, row_index, offsets, tokens_per_expert, probs, None, None, num_rows, align,
+        tail_lo, vals_dtype,
+    )  # fmt: skip
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd must record a call on these inputs (else the op runs without a node,
+    which costs less host time, e.g. in generation)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _PermuteFn(torch.autograd.Function):
     """hidden [T, H] → rows [R, H], probs [T, k] → row probs [R] (empty without probs).
     Also serves sort_chunks_by_index (k = 1, no offsets)."""
@@ -214,11 +228,9 @@ class _PermuteFn(torch.autograd.Function):
         # passes (saved tensors are freed by the first).
         ctx.row_index = row_index
         ctx.hidden_meta = (tuple(hidden.shape), hidden.dtype)
-        vals_dtype = probs.dtype if probs is not None else hidden.dtype
-        return scatter(
-            hidden, row_index, offsets, tokens_per_expert, probs, None, None, num_rows, align,
-            tail_lo, vals_dtype,
-        )  # fmt: skip
+        return _permute_rows(
+            hidden, probs, row_index, offsets, tokens_per_expert, num_rows, align, tail_lo
+        )
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
@@ -464,7 +476,8 @@ def permute(
         num_rows = int(offsets[-1])  # the one host sync, asked for by the caller
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()  # [T, k]: metadata-sized
-    out, out_probs = _apply_permute(
+    apply = _apply_permute if _needs_grad(hidden, probs) else _permute_rows
+    out, out_probs = apply(
         hidden, probs, row_index, offsets, tokens_per_expert, num_rows, a,
         _tail_lo(not may_drop, T * k, num_rows),
     )  # fmt: skip
@@ -500,6 +513,8 @@ def unpermute(
             "unpermute(weighted=True) needs dispatch.probs: pass probs to permute, or "
             "weighted=False"
         )
+    if not _needs_grad(expert_out, dispatch.probs if weighted else None):
+        return gather(expert_out, dispatch.row_index, dispatch.probs if weighted else None, None)[0]
     slots = dispatch.num_tokens * dispatch.topk
     return _apply_unpermute(
         expert_out, dispatch.probs if weighted else None, dispatch.row_index, dispatch.offsets,

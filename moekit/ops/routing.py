@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels import permute as kernels
-from moekit.ops.custom_op import kernel_op
+from moekit.ops.custom_op import eager_shortcut, kernel_op
 from moekit.runtime.device import use_triton
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.permute import meta_config
@@ -73,7 +73,7 @@ def routing_metadata_torch(
     )
 
 
-def _metadata_fake(indices, num_experts, align, out_rows):
+def _metadata_fake(indices, num_experts, align, out_rows, one_buffer):
     e = indices.new_empty(num_experts, dtype=torch.int32)
     return indices.new_empty(indices.shape, dtype=torch.int32), e, e.clone(), e.clone()
 
@@ -84,6 +84,7 @@ def _metadata(
     num_experts: int,
     align: int,
     out_rows: int,
+    one_buffer: bool,  # views of one allocation (a custom op's outputs may not alias)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not use_triton(indices):
         return routing_metadata_torch(indices, num_experts, align, out_rows)
@@ -93,12 +94,18 @@ def _metadata(
     max_experts = (1 << (32 - (config.block_n.bit_length() - 1))) - 2
     if num_experts > max_experts:
         raise ValueError(f"num_experts must be at most {max_experts}, got {num_experts}")
-    row_index = torch.empty(indices.shape, dtype=torch.int32, device=dev)
-    tokens_per_expert, counts, offsets = (
-        torch.empty(E, dtype=torch.int32, device=dev) for _ in range(3)
-    )
-    scratch_numel = kernels.metadata_scratch_numel(n, E, config)
-    scratch = torch.empty(scratch_numel, dtype=torch.int32, device=dev)
+    sizes = (n, E, E, E, kernels.metadata_scratch_numel(n, E, config))
+    if one_buffer:
+        # One allocation for the five int32 buffers (each costs host time on every call),
+        # each at a 16-byte boundary as the kernels (and their launch replay) expect.
+        pieces = [c for s in sizes for c in (s, -s % 4)]  # each buffer, then its padding
+        buffer = torch.empty(sum(pieces), dtype=torch.int32, device=dev)
+        row_index, tokens_per_expert, counts, offsets, scratch = buffer.split(pieces)[::2]
+    else:
+        row_index, tokens_per_expert, counts, offsets, scratch = (
+            torch.empty(s, dtype=torch.int32, device=dev) for s in sizes
+        )
+    row_index = row_index.view(indices.shape)
     outs = (row_index, tokens_per_expert, counts, offsets, scratch)
     key = None
     if indices.is_cuda:
@@ -139,7 +146,9 @@ def routing_metadata(
         out_rows = max_rows(T, k, num_experts, align)
     if not indices.is_contiguous():
         indices = indices.contiguous()  # [T, k] ints: metadata-sized, not an activation copy
-    return _metadata(indices, num_experts, align, out_rows)
+    if eager_shortcut((indices,)):
+        return _metadata.impl(indices, num_experts, align, out_rows, True)
+    return _metadata(indices, num_experts, align, out_rows, False)
 
 
 def capacity_drop(

@@ -12,10 +12,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-import triton
-
 from moekit.config import allreduce_threshold_bytes, interpret_mode
 from moekit.runtime.cache import cache_clear
+from moekit.runtime.intmath import cdiv, next_power_of_2
 
 __all__ = [
     "PLAN_CACHE_KIND",
@@ -52,7 +51,7 @@ GATHER_TILE_MAX_ELEMENTS = 32768
 def row_num_warps(H: int) -> int:
     """Warps per program of a row kernel whose tile covers a row of ``H`` elements: about 16
     fp32 values per thread, so a row stays in registers without leaving threads idle."""
-    block = triton.next_power_of_2(H)
+    block = next_power_of_2(H)
     if block >= 8192:
         return 16
     if block >= 2048:
@@ -72,13 +71,13 @@ def _gather_tile(algo: str, world: int, H: int) -> bool:
     ranks have a single remote row per step, so they keep the row loop."""
     if algo != "two_shot" or world < 4:
         return False
-    return triton.next_power_of_2(world) * triton.next_power_of_2(H) <= GATHER_TILE_MAX_ELEMENTS
+    return next_power_of_2(world) * next_power_of_2(H) <= GATHER_TILE_MAX_ELEMENTS
 
 
 def _num_warps(algo: str, world: int, H: int, gather_tile: bool) -> int:
-    block = triton.next_power_of_2(H)
+    block = next_power_of_2(H)
     if gather_tile:  # at most 32 fp32 values of the [W, H] tile per thread
-        return max(4, min(16, triton.next_power_of_2(world) * block // (32 * 32)))
+        return max(4, min(16, next_power_of_2(world) * block // (32 * 32)))
     if algo == "two_shot" and block <= 8192:
         # row by row, two_shot is bound by its remote loads: fewer warps with longer rows per
         # thread keep more loads in flight per warp
@@ -97,7 +96,7 @@ def lamport_split(work: int, max_programs: int, H: int, num_warps: int) -> int:
     if interpret_mode():
         return 1
     split = 4 if work < max_programs else 2
-    block = triton.next_power_of_2(H)
+    block = next_power_of_2(H)
     while split > 1 and block // split < 4 * 32 * num_warps:
         split //= 2
     return split
@@ -111,7 +110,7 @@ def allreduce_config(algo: str, T: int, H: int, world: int, max_programs: int) -
     algorithms also count the column pieces of their push phases."""
     gather_tile = _gather_tile(algo, world, H)
     num_warps = _num_warps(algo, world, H, gather_tile)
-    work = triton.cdiv(T, world) if algo in TWO_SHOT_ALGOS else T
+    work = cdiv(T, world) if algo in TWO_SHOT_ALGOS else T
     split = 1
     if algo in LAMPORT_ALGOS:
         split = lamport_split(work, max_programs, H, num_warps)

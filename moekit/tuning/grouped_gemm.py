@@ -24,6 +24,7 @@ import triton.testing
 from moekit.config import autotune_enabled, interpret_mode
 from moekit.runtime.cache import cache_entries, cache_get, cached
 from moekit.runtime.device import is_capturing
+from moekit.runtime.intmath import cdiv
 from moekit.tuning import store
 
 _log = logging.getLogger("moekit.tuning")
@@ -124,7 +125,7 @@ WIDE_BAND_GROUP_M = 16
 def _few_tiles(T: int, E: int, N: int, num_sms: int) -> bool:
     """Whether the default's 128 x 256 tiles would leave SMs idle: at most T / 128 full m-tiles
     plus one partial tile per expert with rows, times the n-tiles."""
-    return (T // 128 + min(E, T)) * triton.cdiv(N, 256) < num_sms
+    return (T // 128 + min(E, T)) * cdiv(N, 256) < num_sms
 
 
 def ragged_m_candidates(

@@ -10,8 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import triton
-
+from moekit.runtime.intmath import cdiv
 from moekit.tuning.grouped_gemm import INTERPRET_CONFIG, GemmConfig
 
 __all__ = [
@@ -77,4 +76,4 @@ def dact_partial_rows(F: int, interleave: int | None) -> int:
     run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included).
     Cached: every backward asks."""
     cands = (*dact_candidates(interleave), fit_interleave(INTERPRET_CONFIG, interleave))
-    return max(triton.cdiv(F, c.block_n) for c in cands)
+    return max(cdiv(F, c.block_n) for c in cands)

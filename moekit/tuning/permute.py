@@ -7,8 +7,9 @@ training shape always runs one config and the launches can be replayed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
-import triton
+from moekit.runtime.intmath import cdiv, next_power_of_2
 
 __all__ = [
     "SMALL_BLOCKS_MIN_PAIRS",
@@ -44,10 +45,11 @@ class MetaConfig:
 def _scan(block_e: int, max_block_b: int, num_blocks: int) -> tuple[int, int, int]:
     """(experts, blocks per step, warps) of the scan: a step never wider than the blocks there
     are; 8 warps once a step's tile is large enough to keep them busy."""
-    block_b = min(triton.next_power_of_2(num_blocks), max_block_b)
+    block_b = min(next_power_of_2(num_blocks), max_block_b)
     return block_e, block_b, 8 if block_b * block_e >= 2048 else 4
 
 
+@functools.lru_cache(maxsize=1024)  # runs on every call of permute
 def meta_config(n: int) -> MetaConfig:
     """The metadata config for N = T·k pairs.
 
@@ -58,10 +60,10 @@ def meta_config(n: int) -> MetaConfig:
     """
     if n >= SMALL_BLOCKS_MIN_PAIRS:
         block_n = 256
-        scan = _scan(4, 2048, triton.cdiv(n, block_n))
+        scan = _scan(4, 2048, cdiv(n, block_n))
         return MetaConfig(block_n, 1, 1, *scan)
-    block_n = min(max(triton.next_power_of_2(triton.cdiv(max(n, 1), 512)), 256), 1024)
-    scan = _scan(8, 512, triton.cdiv(max(n, 1), block_n))
+    block_n = min(max(next_power_of_2(cdiv(max(n, 1), 512)), 256), 1024)
+    scan = _scan(8, 512, cdiv(max(n, 1), block_n))
     return MetaConfig(block_n, 4, 4, *scan)
 
 
@@ -91,7 +93,7 @@ def fit_block_h(block_h: int, H: int) -> int:
     """``block_h`` capped at H's next power of two, halved (down to 256) while that leaves a
     mostly masked last chunk: H = 7168 gets 1024, not 4096, so no step is three-quarters
     idle."""
-    block_h = min(block_h, triton.next_power_of_2(max(H, 1)))
+    block_h = min(block_h, next_power_of_2(max(H, 1)))
     while block_h > 256 and H % block_h and H % block_h < block_h // 2:
         block_h //= 2
     return block_h
@@ -100,7 +102,7 @@ def fit_block_h(block_h: int, H: int) -> int:
 def tile_config(k: int, H: int) -> CopyConfig:
     """A [K_PAD, BLOCK_H] tile of about TILE_ELEMS elements; 8 warps once it holds 4096
     elements or more (fewer would each hold too many registers)."""
-    k_pad = triton.next_power_of_2(max(k, 1))
+    k_pad = next_power_of_2(max(k, 1))
     block_h = fit_block_h(max(TILE_ELEMS // k_pad, 64), H)
     return CopyConfig(block_h=block_h, num_warps=8 if k_pad * block_h >= 4096 else 4)
 

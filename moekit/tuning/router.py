@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import triton
-
 from moekit.config import interpret_mode
+from moekit.runtime.intmath import next_power_of_2
 
 __all__ = ["RouterConfig", "router_config"]
 
@@ -21,7 +20,7 @@ class RouterConfig:
 def router_config(num_experts: int) -> RouterConfig:
     """About 4096 scores per program (fewer tokens as E grows), at least one token; the
     interpreter takes small blocks (it runs programs one after another)."""
-    block_e = max(triton.next_power_of_2(num_experts), 16)
+    block_e = max(next_power_of_2(num_experts), 16)
     if interpret_mode():
         return RouterConfig(block_t=4, block_e=block_e, num_warps=1)
     block_t = max(1, min(64, 4096 // block_e))
