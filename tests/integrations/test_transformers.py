@@ -180,3 +180,28 @@ def test_old_transformers_gets_a_clear_error(monkeypatch):
     monkeypatch.delattr(moe, "ALL_EXPERTS_FUNCTIONS")
     with pytest.raises(ImportError, match=r"transformers >= 5\.0"):
         hf.register()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_gpu_inductor_fullgraph_of_the_moe_block(family):
+    """The default inductor backend on a model's MoE block (router, moekit experts, shared
+    expert), bf16: no graph break, and output and gradients as the uncompiled block's."""
+    torch._dynamo.reset()
+    model = tiny_model(family, "moekit", torch.bfloat16, "cuda")
+    if family == "deepseek_v3":
+        hf.use_moekit_router(model)
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 64, COMMON["hidden_size"], device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn_like(x)
+    got, want = [], []
+    for fn, out in ((torch.compile(block, fullgraph=True), got), (block, want)):
+        xi = x.clone().requires_grad_()
+        block.zero_grad(set_to_none=True)
+        y = fn(xi)
+        y.backward(dy)
+        out += [y.detach().float(), xi.grad.float()]
+        out += [p.grad.float() for p in block.parameters() if p.grad is not None]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
