@@ -11,6 +11,8 @@ Models: random-initialised Qwen3-MoE and OLMoE with the real MoE layer sizes of 
             (not batched_mm, which gathers a copy of the expert weights per row)
   generate  greedy decoding of 128 new tokens after a 32-token prompt, batch 1 and 16: new
             tokens/s (decode steps route batch × top-k rows)
+  experts   the first layer's experts module alone under no_grad, 1 and 16 tokens: wall µs
+            per call of back-to-back calls (a decode step's experts work, host-bound)
 
 Each implementation runs on the same model (``set_experts_implementation``), timed with CUDA
 events after warm-up steps; generation runs take turns across the backends, best of 3 each. Writes hf.json and hf.png under --out.
@@ -110,6 +112,24 @@ def generate_tokens_per_s(model, impl, batch, new_tokens, cuda, warm: bool = Tru
     return batch * new_tokens / seconds(run, 1, cuda)
 
 
+def experts_call_us(model, impl, tokens: int, cuda: bool, calls: int = 200) -> float:
+    """Wall µs per call of the first layer's experts module on ``tokens`` tokens (random top-k
+    routing), back-to-back under no_grad, synchronised once at the end."""
+    model.set_experts_implementation(impl)
+    mlp = model.model.layers[0].mlp
+    experts = mlp.experts
+    E, k = experts.gate_up_proj.shape[0], model.config.num_experts_per_tok
+    g = torch.Generator(device=model.device).manual_seed(tokens)
+    x = torch.randn(tokens, model.config.hidden_size, device=model.device, dtype=model.dtype)
+    scores = torch.rand(tokens, E, device=model.device, generator=g)
+    weights, ids = scores.softmax(-1).topk(k, dim=-1)
+    weights = weights.to(model.dtype)
+    with torch.no_grad():
+        for _ in range(3):
+            experts(x, ids, weights)
+        return seconds(lambda: experts(x, ids, weights), calls, cuda) * 1e6
+
+
 def _guard(row: dict, fn) -> float:
     """fn(), or NaN with the error recorded in the row (e.g. out of memory)."""
     try:
@@ -156,6 +176,12 @@ def main() -> None:
                     v = _guard(r, fn)
                     key = f"generate{b}_{impl}"
                     r[key] = max(r.get(key, v), v) if v == v else v
+        for _ in range(1 if args.smoke else GENERATE_ROUNDS):  # host-bound: turns, best
+            for impl in IMPLS[:-1]:
+                for t in (1, 16):
+                    v = _guard(r, partial(experts_call_us, model, impl, t, cuda))
+                    key = f"experts{t}_us_{impl}"
+                    r[key] = min(r.get(key, v), v) if v == v else v
         for impl in IMPLS:
             print(f"{name} {impl}: " + ", ".join(
                 f"{k.split('_')[0]} {v:,.0f}" for k, v in r.items() if k.endswith(impl)
@@ -169,6 +195,10 @@ def main() -> None:
                 key=lambda v: -1.0 if v != v else v,  # NaN (failed) never wins
             )
             r[f"generate{b}_vs_best_builtin"] = r[f"generate{b}_moekit"] / builtin
+            if f"experts{b}_us_moekit" in r:
+                r[f"experts{b}_us_builtin_best"] = min(
+                    r[f"experts{b}_us_{i}"] for i in ("grouped_mm", "batched_mm")
+                )
         rows.append(r)
         del model
         if cuda:
@@ -186,6 +216,12 @@ def main() -> None:
             else:
                 ratio = f"{r[f'{p}_vs_best_builtin']:.2f} best built-in"
             lines.append(f"{r['model']:<18}{p:<12}{vals}  {ratio}")
+        for t in (1, 16):
+            if f"experts{t}_us_moekit" not in r:
+                continue
+            vals = "".join(f"{r.get(f'experts{t}_us_{i}', float('nan')):>12,.0f}" for i in IMPLS)
+            best = r[f"experts{t}_us_moekit"] / r[f"experts{t}_us_builtin_best"]
+            lines.append(f"{r['model']:<18}{f'experts{t} µs':<12}{vals}  {best:.2f} of best")
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
     write_json(os.path.join(args.out, "hf.json"), {"meta": meta, "rows": rows}, nan_as_null=True)
