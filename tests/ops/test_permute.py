@@ -374,6 +374,25 @@ def _value_and_grads(fn, hidden, indices, probs, w, E):
     return out, *grads
 
 
+@pytest.mark.parametrize("align", [None, 16])
+def test_no_grad_runs_without_autograd_nodes_and_matches(align):
+    """Under no_grad (generation) permute and unpermute skip their autograd Functions: the
+    same rows, probs and combine as with autograd on."""
+    T, E, k, H = 23, 6, 3, 32
+    indices, probs = _routing(T, E, k)
+    hidden = torch.randn(T, H, requires_grad=True)
+    probs.requires_grad_()
+    d = permute(hidden, indices, probs, num_experts=E, align=align)
+    y = unpermute(d.hidden * 2.0, d)
+    with torch.no_grad():
+        d0 = permute(hidden, indices, probs, num_experts=E, align=align)
+        y0 = unpermute(d0.hidden * 2.0, d0)
+    assert d0.hidden.grad_fn is None and d0.probs.grad_fn is None and y0.grad_fn is None
+    torch.testing.assert_close(d0.hidden, d.hidden, rtol=0, atol=0)
+    torch.testing.assert_close(d0.probs, d.probs, rtol=0, atol=0)
+    torch.testing.assert_close(y0, y.detach(), rtol=0, atol=0)
+
+
 def test_dispatcher_path_matches_eager_shortcut():
     # The kernel ops and Functions through the dispatcher (what tracers see) give what the
     # plain-eager shortcut gives.
