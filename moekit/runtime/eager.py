@@ -66,18 +66,30 @@ def _record(grad: torch.Tensor) -> None:
 _CALIBRATED: list = []
 
 
+def _calibrate(keep: bool) -> tuple[int, int, int] | None:
+    """The references the gradient of a tiny CPU graph has inside its Function's backward;
+    ``keep``: a hook also keeps that gradient."""
+    kept: list[torch.Tensor] = []
+    no_anomaly = torch.autograd.set_detect_anomaly(False)
+    with torch.inference_mode(False), torch.enable_grad(), no_anomaly:
+        y = _Calibration.apply(torch.zeros(2, requires_grad=True))
+        if keep:
+            y.register_hook(kept.append)
+        (y * 2.0).sum().backward()
+    return _CALIBRATED.pop() if _CALIBRATED else None
+
+
 def _exclusive_references() -> tuple[int, int, int] | None:
-    """The references a gradient that nothing else holds has inside a Function's backward,
-    seen on a tiny CPU graph (the count of Python references depends on how torch calls the
-    backward, so it is measured, not assumed). Measured at import, outside any backward: a
-    backward run inside another could count differently."""
+    """The references a gradient that nothing else holds has inside a Function's backward (the
+    count of Python references depends on how torch calls the backward, so it is measured,
+    not assumed), or None where a kept gradient does not count differently. Measured at
+    import, outside any backward and without anomaly detection: either could count
+    differently."""
     try:
-        with torch.inference_mode(False), torch.enable_grad():
-            x = torch.zeros(2, requires_grad=True)
-            (_Calibration.apply(x) * 2.0).sum().backward()
+        alone, kept = _calibrate(keep=False), _calibrate(keep=True)
     except RuntimeError:
         return None
-    return _CALIBRATED.pop() if _CALIBRATED else None
+    return alone if alone is not None and kept != alone else None
 
 
 _EXCLUSIVE = _exclusive_references()
@@ -89,6 +101,6 @@ def owned_gradient(grad: torch.Tensor) -> bool:
     node, hook, ``.grad`` or user variable holds the tensor, a view of it or its storage. Such
     a gradient is dead once the backward has read it, so its memory may take an output.
     Conservative: False whenever a count is unavailable or differs from a lone gradient's."""
-    if grad._base is not None or not grad.is_contiguous():
+    if grad._base is not None or not grad.is_contiguous() or torch.is_anomaly_enabled():
         return False
     return _EXCLUSIVE is not None and _references(grad) == _EXCLUSIVE
