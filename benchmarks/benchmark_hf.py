@@ -116,8 +116,7 @@ def experts_call_us(model, impl, tokens: int, cuda: bool, calls: int = 200) -> f
     """Wall µs per call of the first layer's experts module on ``tokens`` tokens (random top-k
     routing), back-to-back under no_grad, synchronised once at the end."""
     model.set_experts_implementation(impl)
-    mlp = model.model.layers[0].mlp
-    experts = mlp.experts
+    experts = model.model.layers[0].mlp.experts
     E, k = experts.gate_up_proj.shape[0], model.config.num_experts_per_tok
     g = torch.Generator(device=model.device).manual_seed(tokens)
     x = torch.randn(tokens, model.config.hidden_size, device=model.device, dtype=model.dtype)

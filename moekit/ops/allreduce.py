@@ -59,12 +59,11 @@ from moekit.config import lamport_slot_bytes
 from moekit.distributed.env import group_from_name
 from moekit.distributed.symmetric_pool import SymmetricPool, get_pool, pool_generation
 from moekit.kernels import allreduce as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
 from moekit.ops.rmsnorm import (
     add_rmsnorm,
     add_rmsnorm_backward,
     add_rmsnorm_forward,
-    needs_grad,
     rows,
     validate_norm_inputs,
 )

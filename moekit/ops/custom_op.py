@@ -32,7 +32,7 @@ import torch
 
 from moekit.runtime.eager import plain_eager
 
-__all__ = ["dispatcher_only", "eager_shortcut", "function_apply", "kernel_op"]
+__all__ = ["dispatcher_only", "eager_shortcut", "function_apply", "kernel_op", "needs_grad"]
 
 _force_normal_path = [False]
 
@@ -46,6 +46,17 @@ def dispatcher_only() -> Iterator[None]:
         yield
     finally:
         _force_normal_path[0] = False
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will want gradients of any of ``tensors`` (else an op may run its kernel
+    ops without its autograd Function). Runs on every call: a loop, not a generator."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # noqa: SIM110
+        if t is not None and t.requires_grad:
+            return True
+    return False
 
 
 def eager_shortcut(args: tuple) -> bool:

@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
 from moekit.ops.validation import (
     FLOAT_DTYPES,
     check_byte_aligned,
@@ -325,9 +325,7 @@ def _make_plan(key, a, b, offsets, ragged_m: bool, out_dtype) -> _Plan:
 def _run_plan(plan: _Plan, a, b, offsets, bias) -> torch.Tensor:
     """The product of a validated call; through the autograd Function only when a gradient
     is wanted."""
-    grad = torch.is_grad_enabled() and (
-        a.requires_grad or b.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    grad = needs_grad(a, b, bias)
     if plan.ragged_m:
         run = _apply_ragged_m if grad else ragged_m
         return run(a, b, offsets, bias, plan.out_dtype, plan.uid)
@@ -368,7 +366,7 @@ def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, a: torch
 
 
 def _check_no_grad(*tensors: torch.Tensor | None) -> None:
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+    if needs_grad(*tensors):
         raise ValueError("out= does not support autograd; call grouped_mm without out= instead")
 
 

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
-from moekit.ops.custom_op import eager_shortcut, function_apply, kernel_op
+from moekit.ops.custom_op import eager_shortcut, function_apply, kernel_op, needs_grad
 from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.validation import (
@@ -613,9 +613,7 @@ def _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, re
     _check_optional("b2", b2, (E, H), x)
     _main_grad("w1", w1)
     _main_grad("w2", w2)
-    for_backward = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, w1, w2, probs, b1, b2)
-    )
+    for_backward = needs_grad(x, w1, w2, probs, b1, b2)
     # "" = the unfused composition without a warning (CPU tensors run the reference)
     reason = _fused_unsupported(x, w2.shape[2], glu_interleave) if use_triton(x) else ""
     return _Plan(act, glu_interleave, bool(recompute), for_backward, reason)

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from moekit.kernels import permute as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
 from moekit.ops.routing import (
     capacity_drop,
     max_rows,
@@ -206,12 +206,6 @@ def _permute_rows(hidden, probs, row_index, offsets, tokens_per_expert, num_rows
         hidden, row_index, offsets, tokens_per_expert, probs, None, None, num_rows, align,
         tail_lo, vals_dtype,
     )  # fmt: skip
-
-
-def _needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd must record a call on these inputs (else the op runs without a node,
-    which costs less host time, e.g. in generation)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _PermuteFn(torch.autograd.Function):
@@ -476,7 +470,7 @@ def permute(
         num_rows = int(offsets[-1])  # the one host sync, asked for by the caller
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()  # [T, k]: metadata-sized
-    apply = _apply_permute if _needs_grad(hidden, probs) else _permute_rows
+    apply = _apply_permute if needs_grad(hidden, probs) else _permute_rows
     out, out_probs = apply(
         hidden, probs, row_index, offsets, tokens_per_expert, num_rows, a,
         _tail_lo(not may_drop, T * k, num_rows),
@@ -513,7 +507,7 @@ def unpermute(
             "unpermute(weighted=True) needs dispatch.probs: pass probs to permute, or "
             "weighted=False"
         )
-    if not _needs_grad(expert_out, dispatch.probs if weighted else None):
+    if not needs_grad(expert_out, dispatch.probs if weighted else None):
         return gather(expert_out, dispatch.row_index, dispatch.probs if weighted else None, None)[0]
     slots = dispatch.num_tokens * dispatch.topk
     return _apply_unpermute(

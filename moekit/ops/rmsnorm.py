@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels import rmsnorm as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_same_device, check_tensor
 from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
 from moekit.runtime.device import num_sms, use_triton
@@ -24,7 +24,6 @@ __all__ = [
     "add_rmsnorm",
     "add_rmsnorm_backward",
     "add_rmsnorm_forward",
-    "needs_grad",
     "rmsnorm",
     "rows",
     "validate_norm_inputs",
@@ -78,11 +77,6 @@ def validate_norm_inputs(
                 f"{name} must be contiguous (no silent copies), got strides {tuple(t.stride())}"
             )
     return x, residual, weight
-
-
-def needs_grad(*tensors: torch.Tensor | None) -> bool:
-    """Whether autograd will want gradients of any of ``tensors``."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _forward_fake(x, residual, weight, eps, store_rstd):
