@@ -40,8 +40,8 @@ from moekit.ops.validation import (
     check_same_device,
     check_tensor,
 )
-from moekit.runtime.cache import cached
-from moekit.runtime.device import use_triton
+from moekit.runtime.cache import cache_get, cached
+from moekit.runtime.device import is_capturing, spare_bytes, use_triton
 from moekit.runtime.eager import owned_gradient
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.tma import tma_rows, tma_strides
@@ -332,6 +332,30 @@ class _Backward:
             n += self.act_out.numel() * self.act_out.element_size()
         return n
 
+    def late_bytes(self) -> int:
+        """What three segments allocate only after h and the activation are freed."""
+        (E, W1, H), F_, es = self.w1.shape, self.w2.shape[2], self.x.element_size()
+        need_x, need_w1, need_w2 = self.needs[:3]
+        n = self.x.numel() * es if need_x else 0
+        n += E * W1 * H * es if need_w1 and self.mg1 is None else 0
+        return n + (E * H * F_ * es if need_w2 and self.mg2 is None else 0)
+
+    def first_of_its_configuration(self) -> bool:
+        """True on the first backward of a configuration when one segment's peak fits in spare
+        memory with room to spare. That call then runs one segment, so its five kernels compile
+        side by side (one compile_ahead) rather than segment after segment, holding h and the
+        activation for one segment longer, once."""
+        if not self.x.is_cuda:
+            return False
+        roles = (self.dy, self.x, self.w1, self.w2, self.h, self.probs)
+        key = ("mlp_bwd_first", *self.base, *map(tensor_key, roles))
+        if cache_get(key) is not None:
+            return False
+        cached(key, lambda: True)
+        if is_capturing():
+            return False
+        return spare_bytes(self.x.device) >= 2 * (self.held_bytes() + self.late_bytes())
+
     def alloc_w2(self) -> None:
         x, (E, H, F_) = self.x, self.w2.shape
         if self.needs[2]:
@@ -410,7 +434,7 @@ def _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, uid,
         reuse_dy,
     )  # fmt: skip
-    if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES:
+    if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES or bwd.first_of_its_configuration():
         bwd.one_segment()
     else:
         bwd.three_segments()

@@ -23,6 +23,7 @@ __all__ = [
     "is_tile_counter",
     "num_sms",
     "scratch",
+    "spare_bytes",
     "tile_counter",
     "use_triton",
 ]
@@ -60,6 +61,14 @@ def is_capturing() -> bool:
 
 
 _scratch_by_stream: dict[tuple[int, int | None], torch.Tensor] = {}
+
+
+def spare_bytes(device: torch.device) -> int:
+    """Bytes an allocation on ``device`` could take now without a new driver allocation failing:
+    the driver's free memory plus what torch's caching allocator holds unused (fragmentation
+    may make a single block smaller). Calls no stream synchronisation."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 def scratch(size: int, device: int, stream: int | None) -> torch.Tensor:

@@ -97,8 +97,15 @@ def segments(request, monkeypatch):
     """Backward's launches as one segment (small problems) or as three (large ones, which free
     h and the activation before allocating the gradients): forced by the size threshold."""
     if request.param == "three":
-        monkeypatch.setattr(_plans_module(), "ONE_SEGMENT_MAX_BYTES", -1)
+        _always_three_segments(monkeypatch)
     return request.param
+
+
+def _always_three_segments(monkeypatch):
+    module = _plans_module()
+    monkeypatch.setattr(module, "ONE_SEGMENT_MAX_BYTES", -1)
+    # not even the first backward of a configuration on the GPU (which compiles in one segment)
+    monkeypatch.setattr(module._Backward, "first_of_its_configuration", lambda self: False)
 
 
 @pytest.mark.parametrize("rec", [False, True])
@@ -380,6 +387,31 @@ def test_gpu_replayed_launches_match_reference(act, inter, bias, rec, probs, seg
     assert len(fwd) == 1 and fwd[0].ready
     assert set(bwd) == ({"all"} if segments == "one" else {"dact", "wgrad2", "fc1"})
     assert all(r.ready for r in bwd.values())
+
+
+@pytest.mark.gpu
+def test_gpu_first_backward_of_a_configuration_runs_one_segment(monkeypatch):
+    """A problem large enough for three backward segments runs one on the first backward of
+    its configuration (its kernels then compile side by side), three afterwards; both give the
+    same gradients."""
+    module = _plans_module()
+    monkeypatch.setattr(module, "ONE_SEGMENT_MAX_BYTES", -1)  # every call large enough
+    ran = []
+    for name in ("one_segment", "three_segments"):
+        run = getattr(module._Backward, name)
+        monkeypatch.setattr(
+            module._Backward, name, lambda self, run=run, name=name: (ran.append(name), run(self))
+        )
+    counts = [301, 0, 517, 213]  # a configuration no other test runs
+    x, w1, w2, p, _, _ = _make(sum(counts), 4, 256, 384, "swiglu", torch.bfloat16, "cuda")
+    off = _offsets(counts, "cuda")
+    dy = torch.randn(sum(counts), 256, device="cuda", dtype=torch.bfloat16)
+    first, second = (
+        torch.autograd.grad(grouped_mlp(x, off, w1, w2, p), (x, w1, w2, p), dy) for _ in range(2)
+    )
+    assert ran == ["one_segment", "three_segments"]
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.gpu
