@@ -85,15 +85,24 @@ def _run_forward(
     return x, ctxs
 
 
+# Stands in _Call.out_values for an extra output that the Function returns as a tensor.
+_RETURNED = object()
+
+
 class _Call:
-    """One call's state, handed to the autograd Function (non-tensor arguments and results)."""
+    """One call's state, handed to the autograd Function (non-tensor arguments and results).
+
+    After the forward it holds no tensor that the Function returns: autograd points each
+    returned tensor at the Function's node, which holds this call, and a reference back would
+    make a cycle that keeps the whole graph (saved activations, the leaves' gradient
+    accumulators) alive until Python's garbage collector runs."""
 
     __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "tensor_names")
 
     def __init__(self, prog, env, tensor_names, out_names) -> None:
         self.prog, self.env, self.tensor_names, self.out_names = prog, env, tensor_names, out_names
         self.ctxs: list[OpContext] = []
-        self.out_values: list[Any] = []
+        self.out_values: list[Any] = []  # per extra output: its value, or _RETURNED
 
 
 def _distinct(t: torch.Tensor, others) -> torch.Tensor:
@@ -108,7 +117,7 @@ def _distinct(t: torch.Tensor, others) -> torch.Tensor:
 class _PipelineFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, call: _Call, x: torch.Tensor, *args: torch.Tensor):
-        env = call.env
+        env, call.env = call.env, None
         if call.tensor_names:
             env.update(zip(call.tensor_names, args))
         y, ctxs = _run_forward(call.prog, x, env, ctx.needs_input_grad[1], True)
@@ -124,7 +133,7 @@ class _PipelineFn(torch.autograd.Function):
         if not call.out_names:
             return y
         outs = [env[n] for n in call.out_names]
-        call.out_values = outs
+        call.out_values = [_RETURNED if isinstance(t, torch.Tensor) else t for t in outs]
         tensors = [y]
         for t in outs:
             if isinstance(t, torch.Tensor):
@@ -149,9 +158,7 @@ class _PipelineFn(torch.autograd.Function):
         call.ctxs = []  # the saved state goes with this backward
         grads: dict[str, Any] = {}
         if douts:
-            names = [
-                n for n, v in zip(call.out_names, call.out_values) if isinstance(v, torch.Tensor)
-            ]
+            names = [n for n, v in zip(call.out_names, call.out_values) if v is _RETURNED]
             for n, g in zip(names, douts):
                 if g is not None:
                     grads[n] = g
@@ -343,7 +350,7 @@ class Sequential(nn.Module):
         if not out_names:
             return outs
         it = iter(outs[1:])
-        extra = [next(it) if isinstance(v, torch.Tensor) else v for v in call.out_values]
+        extra = [next(it) if v is _RETURNED else v for v in call.out_values]
         return (outs[0], *extra)
 
     def reference(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

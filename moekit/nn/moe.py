@@ -69,7 +69,7 @@ class MoELayer(nn.Module):
         activation: the experts' activation (``moekit.nn.GroupedMLP``).
         score, num_groups, topk_groups, normalize, scaling, expert_bias, aux_loss_coeff,
             z_loss_coeff: the router's (``moekit.nn.TopKRouter``).
-        shared_ffn_hidden_size: width of a dense shared expert added to every token's output
+        shared_expert_ffn_size: width of a dense shared expert added to every token's output
             (0: none).
         capacity_factor: keep at most ``ceil(cf·T·k/E)`` tokens per expert, dropping the
             lowest probs (``moekit.ops.permute``); None: dropless.
@@ -83,7 +83,10 @@ class MoELayer(nn.Module):
             across ranks. No ``align`` with ``ep_group`` for now.
 
     After a forward, ``last_counts [E]`` holds the tokens routed to each expert (on the
-    device), e.g. for ``router.update_expert_bias(layer.last_counts)``.
+    device), e.g. for ``router.update_expert_bias(layer.last_counts)``, and ``last_aux_loss`` /
+    ``last_z_loss`` the losses it added to the backward (detached scalars on the device, already
+    times their coefficients; None when off), for logging: reading one with ``.item()`` is the
+    caller's host sync, not the layer's.
     """
 
     def __init__(
@@ -102,7 +105,7 @@ class MoELayer(nn.Module):
         expert_bias: bool = False,
         aux_loss_coeff: float = 0.0,
         z_loss_coeff: float = 0.0,
-        shared_ffn_hidden_size: int = 0,
+        shared_expert_ffn_size: int = 0,
         capacity_factor: float | None = None,
         align: int | None = None,
         ep_group: object | None = None,
@@ -129,12 +132,14 @@ class MoELayer(nn.Module):
             local = num_experts // W
         self.ep_group = ep_group
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, **kw)
-        self.shared = None
-        if shared_ffn_hidden_size:
-            self.shared = SharedExpert(hidden_size, shared_ffn_hidden_size, activation, **kw)
+        self.shared_expert = None
+        if shared_expert_ffn_size:
+            self.shared_expert = SharedExpert(hidden_size, shared_expert_ffn_size, activation, **kw)
         self.num_experts, self.k = num_experts, k
         self.capacity_factor, self.align = capacity_factor, align
         self.last_counts: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+        self.last_z_loss: torch.Tensor | None = None
         self._checked_token_counts: set[int] = set()
 
     def _expert_parallel(self, tokens: torch.Tensor, r: RouterOutput) -> torch.Tensor:
@@ -172,8 +177,10 @@ class MoELayer(nn.Module):
             )  # fmt: skip
         else:
             y = self._expert_parallel(tokens, r)
-        if self.shared is not None:
-            y = y + self.shared(tokens)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(tokens)
+        self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()
+        self.last_z_loss = None if r.z_loss is None else r.z_loss.detach()
         losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
         if losses:
             y = attach_loss(y, sum(losses))

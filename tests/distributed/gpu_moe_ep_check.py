@@ -43,7 +43,7 @@ def log(rank: int, text: str) -> None:
 
 def layers(rank: int, W: int, group, capacity_factor=None):
     torch.manual_seed(0)
-    kw = dict(shared_ffn_hidden_size=256, capacity_factor=capacity_factor, device="cuda", dtype=DT)
+    kw = dict(shared_expert_ffn_size=256, capacity_factor=capacity_factor, device="cuda", dtype=DT)
     full = MoELayer(H, F, E, K, **kw)
     ep = MoELayer(H, F, E, K, ep_group=group, **kw)
     El = E // W

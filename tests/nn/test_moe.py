@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.nn import MoELayer
+from moekit.nn import MoELayer, TopKRouter
 from moekit.reference.moe import moe_layer_ref
 from tests._cuda_step import sync_free_capture
 
 CONFIGS = [
     ("plain", dict()),
-    ("shared_expert", dict(shared_ffn_hidden_size=16)),
+    ("shared_expert", dict(shared_expert_ffn_size=16)),
     ("capacity_drops", dict(capacity_factor=0.6)),
     ("aligned", dict(align=8)),
     ("deepseek_like", dict(score="sigmoid", num_groups=4, topk_groups=2, scaling=2.0)),
@@ -22,7 +22,7 @@ CONFIGS = [
 
 
 def _ref(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    sh = layer.shared
+    sh = layer.shared_expert
     r = layer.router
     return moe_layer_ref(
         x, r.weight, layer.experts.fc1_weight, layer.experts.fc2_weight, layer.k,
@@ -66,6 +66,20 @@ def test_router_losses_train_the_router_without_being_added():
     out = layer.router(x)
     (extra,) = torch.autograd.grad(out.aux_loss + out.z_loss, layer.router.weight)
     torch.testing.assert_close(with_losses, plain.router.weight.grad + extra)
+    # the values it added are readable for logging, detached; None where a loss is off
+    torch.testing.assert_close(layer.last_aux_loss, out.aux_loss.detach())
+    torch.testing.assert_close(layer.last_z_loss, out.z_loss.detach())
+    assert not layer.last_aux_loss.requires_grad and plain.last_aux_loss is None
+    assert plain.last_z_loss is None
+
+
+def test_names_of_the_layers_parts():
+    layer = MoELayer(16, 8, 4, 2, shared_expert_ffn_size=12)
+    assert isinstance(layer.router, TopKRouter)
+    assert layer.experts.fc1_weight.shape == (4, 16, 16)  # [E, 2F, H], gate | up
+    assert layer.experts.fc2_weight.shape == (4, 16, 8)  # [E, H, F]
+    assert layer.shared_expert is not None
+    assert MoELayer(16, 8, 4, 2).shared_expert is None
 
 
 def test_expert_bias_update_from_last_counts():
@@ -89,7 +103,7 @@ DSV3_LIKE = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True,
 GPU_CASES = [
     ("olmoe_like", 2048, 64, 8, 2048, 1024, {}),
     ("deepseek_like", 1024, 32, 8, 1024, 512, DSV3_LIKE),
-    ("mixtral_like_shared", 512, 8, 2, 1024, 2048, dict(shared_ffn_hidden_size=256)),
+    ("mixtral_like_shared", 512, 8, 2, 1024, 2048, dict(shared_expert_ffn_size=256)),
     ("capacity_drops", 1000, 16, 4, 512, 256, dict(capacity_factor=0.8)),
     ("aligned_skew", 777, 16, 2, 256, 128, dict(align=16)),
     ("one_token", 1, 8, 2, 64, 32, {}),
@@ -138,7 +152,7 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
 )
 def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
     layer = MoELayer(
-        512, 256, 16, 4, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_ffn_hidden_size=128,
+        512, 256, 16, 4, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_expert_ffn_size=128,
         device="cuda", dtype=torch.bfloat16, **opts,
     )  # fmt: skip
     params = list(layer.parameters())

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, port: int, capacity_factor) -> None:
     )
     try:
         torch.manual_seed(0)
-        kw = dict(shared_ffn_hidden_size=8, capacity_factor=capacity_factor)
+        kw = dict(shared_expert_ffn_size=8, capacity_factor=capacity_factor)
         full = MoELayer(H, F, E, K, **kw)
         ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, **kw)
         El = E // world
