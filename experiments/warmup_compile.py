@@ -2,7 +2,7 @@
 """Cold first step of a new MoE block: compile time per kernel, with and without compiling a
 body's kernels ahead in threads (moekit.runtime.replay.compile_ahead).
 
-    PYTHONPATH=. python experiments/warmup_compile.py
+    PYTHONPATH=. python experiments/warmup_compile.py [serial] [ahead]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from triton import knobs
 import moekit.ops as ops
 import moekit.runtime.replay as replay
 if sys.argv[1] == "serial":
-    replay.compile_ahead = lambda body: None
+    replay.compile_ahead = lambda body, wait=True: None
 log = []
 def listener(src, metadata, metadata_group, times, cache_hit):
     total = times.ir_initialization + sum(t for _, t in times.lowering_stages) + times.store_results
@@ -50,7 +50,7 @@ print(f"   {len(log)} compiles, sum {sum(l[1] for l in log):.2f} s, ptxas sum {s
 
 
 def main() -> None:
-    for mode in ("serial", "ahead"):
+    for mode in sys.argv[1:] or ("serial", "ahead"):
         with tempfile.TemporaryDirectory() as tmp:
             env = dict(os.environ, TRITON_CACHE_DIR=tmp, MOEKIT_AUTOTUNE="0")
             out = subprocess.run(

@@ -43,7 +43,7 @@ from moekit.ops.validation import (
 from moekit.runtime.cache import cache_get, cached
 from moekit.runtime.device import is_capturing, spare_bytes, use_triton
 from moekit.runtime.eager import owned_gradient
-from moekit.runtime.replay import replayed, tensor_key
+from moekit.runtime.replay import compile_ahead, replayed, tensor_key
 from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
 from moekit.tuning import grouped_mlp as tuning
@@ -444,12 +444,54 @@ def _run_backward(
     return bwd.outputs()
 
 
+def _backward_bytes(x, w1, w2, inter, recompute: bool) -> int:
+    """Upper bound of the bytes a one-segment backward allocates, with h and the activation."""
+    (R, H), (E, W1, _), F_ = x.shape, w1.shape, w2.shape[2]
+    rows = 2 * R * H + 2 * R * W1 + (1 if recompute else 2) * R * F_ + E * W1 * H + E * H * F_
+    return rows * x.element_size() + 4 * R * (tuning.dact_partial_rows(F_, inter) + 1)
+
+
+def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, interleave,
+                            recompute, needs, bias_dtypes, uid) -> None:  # fmt: skip
+    """On a configuration's first forward, start compiling its backward's kernels, so that
+    they compile while the forward and the ops after it run (a new shape's first step otherwise
+    compiles them only when the backward arrives, after everything else). The backward's
+    buffers are allocated for a moment: skipped where they do not fit twice in spare memory,
+    under CUDA-graph capture, and for a layout without a validated plan."""
+    key = ("mlp_bwd_ahead", uid, *needs)
+    if cache_get(key) is not None:
+        return
+    cached(key, lambda: True)
+    if not (uid and _aligned(x, w1, w2, b1, None)) or is_capturing():
+        return
+    inter = _interleave(interleave)
+    if spare_bytes(x.device) < 2 * _backward_bytes(x, w1, w2, inter, recompute):
+        return
+    (R, H), W1, F_ = x.shape, w1.shape[1], w2.shape[2]
+    h, a = x.new_empty(R, W1), None if recompute else x.new_empty(R, F_)
+    bwd = _Backward(
+        x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, _activation(*act_args),
+        inter, needs, bias_dtypes, uid, False,
+    )  # fmt: skip
+    bwd.alloc_w2()
+    bwd.alloc_fc1(reuse_dy=False)
+    compile_ahead(lambda: (bwd.dact(), bwd.wgrad2(), bwd.fc1()), wait=False)
+
+
 class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid,
         eager,  # the call checked eager_shortcut for all its tensors
     ):  # fmt: skip
+        bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+        if eager and uid and x.is_cuda and x.shape[0] > 0:
+            n = ctx.needs_input_grad
+            needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
+            _compile_backward_ahead(
+                x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute, needs,
+                bias_dtypes, uid,
+            )  # fmt: skip
         run = _forward.impl if eager else _forward
         y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
         ctx.act = (*act, inter)
@@ -458,7 +500,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grads = (mg1, mg2)
-        ctx.bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+        ctx.bias_dtypes = bias_dtypes
         ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if recompute else a, b1)
         return y
 

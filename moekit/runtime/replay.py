@@ -28,6 +28,7 @@ import functools
 import inspect
 import itertools
 import os
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
@@ -327,7 +328,71 @@ def _compile_pool() -> Executor:
     return _CompileWithLauncher(ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)))
 
 
-def compile_ahead(body: Callable[[], object]) -> None:
+class _SharedKernel:
+    """A compile job's result, finalised (entered in the kernel's cache) once, by whichever
+    thread asks first. The interface of Triton's ``FutureKernel``."""
+
+    def __init__(self, finalize: Callable, future: Future, forget: Callable[[], None]) -> None:
+        self.finalize, self.future, self.forget = finalize, future, forget
+        self.kernel = None
+        self.lock = threading.Lock()
+
+    def result(self, ignore_errors: bool = False):
+        try:
+            kernel = self.future.result()
+        except Exception:
+            self.forget()  # a later compile tries again (and the real launch reports it)
+            if ignore_errors:
+                return None
+            raise
+        with self.lock:
+            if self.kernel is None:
+                self.finalize(kernel)
+                self.kernel = kernel
+                self.forget()
+        return self.kernel
+
+
+# Triton's cache key of a kernel being compiled -> its job (see _SharedCompiles)
+_IN_FLIGHT: dict[str, _SharedKernel] = {}
+_IN_FLIGHT_LOCK = threading.Lock()
+
+
+def _forget(key: str) -> None:
+    with _IN_FLIGHT_LOCK:
+        _IN_FLIGHT.pop(key, None)
+
+
+class _SharedCompiles(triton.AsyncCompileMode):
+    """Triton's ``AsyncCompileMode`` with compile jobs shared between its instances: a kernel
+    another instance is still compiling (one left to finish in the background, see
+    :func:`compile_ahead`) is waited for instead of compiled twice."""
+
+    def __init__(self, executor: Executor) -> None:
+        super().__init__(executor, ignore_errors=True)
+        self.jobs: list[_SharedKernel] = []
+
+    def submit(self, key, compile_fn, finalize_fn):
+        with _IN_FLIGHT_LOCK:
+            job = _IN_FLIGHT.get(key)
+            if job is None:
+                future = self.executor.submit(compile_fn)
+                job = _IN_FLIGHT[key] = _SharedKernel(finalize_fn, future, lambda: _forget(key))
+        self.jobs.append(job)
+        return job
+
+    def finish(self) -> None:
+        for job in self.jobs:
+            job.result(ignore_errors=True)
+
+
+@functools.cache
+def _finisher() -> Executor:
+    """The thread that finalises compile jobs left running in the background."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="moekit-compile")
+
+
+def compile_ahead(body: Callable[[], object], *, wait: bool = True) -> None:
     """Compile every kernel ``body`` would launch, in parallel threads, launching nothing.
 
     A new shape's first call compiles its kernels one after another as it reaches each launch
@@ -337,17 +402,26 @@ def compile_ahead(body: Callable[[], object]) -> None:
     compiled. Only for bodies whose work outside the launches is
     allocation: the body runs twice. Not with autotuning on (the tuner must time real launches)
     nor inside another ``AsyncCompileMode``; a failure here is left for the real run to raise.
+
+    ``wait=False`` returns once the compilations are started: an op's first forward starts its
+    backward's this way. A later call that needs one of those kernels waits for its job rather
+    than compiling it again.
     """
     if autotune_enabled():
         return
     token = _COMPILE_ONLY.set(True)
+    mode = _SharedCompiles(_compile_pool())
     try:
-        with triton.AsyncCompileMode(_compile_pool(), ignore_errors=True):
+        with mode:
             body()
+            if wait:
+                mode.finish()
     except Exception:  # the real run reports it
         pass
     finally:
         _COMPILE_ONLY.reset(token)
+    if not wait and mode.jobs:
+        _finisher().submit(mode.finish)
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:

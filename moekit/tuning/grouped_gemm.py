@@ -35,6 +35,7 @@ __all__ = [
     "RAGGED_K_CANDIDATES",
     "RAGGED_K_DEFAULT_16",
     "RAGGED_M_CANDIDATES",
+    "RAGGED_M_DECODE",
     "RAGGED_M_FINE_GRAINED",
     "RAGGED_M_SMALL",
     "GemmConfig",
@@ -96,6 +97,11 @@ RAGGED_M_FINE_GRAINED = dataclasses.replace(RAGGED_M_DEFAULT, num_stages=4, epil
 # large tiles leave SMs idle, so narrower tiles with a deep K pipeline (more tiles, more bytes
 # in flight per SM).
 RAGGED_M_SMALL = GemmConfig(64, 128, 128, num_warps=4, num_stages=4)
+# Where even those tiles cover under half the SMs (a decode step over few experts, e.g. 2 rows
+# of Mixtral), each SM's share of the weights streams at the SM's own bandwidth limit: tiles
+# half as wide put twice the SMs on the weights, and 16-row tiles (the rows are a handful
+# anyway) leave the shared memory to four 256-deep stages of weights in flight.
+RAGGED_M_DECODE = GemmConfig(16, 64, 256, num_warps=4, num_stages=4)
 RAGGED_M_CANDIDATES = (
     RAGGED_M_DEFAULT,
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
@@ -108,6 +114,7 @@ RAGGED_M_CANDIDATES = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3, expert_groups=True),
     RAGGED_M_FINE_GRAINED,
     RAGGED_M_SMALL,
+    RAGGED_M_DECODE,
 )
 # fp32 operands: smaller tiles (twice the bytes per element).
 FP32_CANDIDATES = (
@@ -128,13 +135,21 @@ def _few_tiles(T: int, E: int, N: int, num_sms: int) -> bool:
     return (T // 128 + min(E, T)) * cdiv(N, 256) < num_sms
 
 
+def _few_narrow_tiles(T: int, E: int, N: int, num_sms: int) -> bool:
+    """Whether even the narrow config's tiles (at most T / 64 full m-tiles plus one partial
+    tile per expert with rows, times the n-tiles) would cover under half the SMs."""
+    small = RAGGED_M_SMALL
+    return (T // small.block_m + min(E, T)) * cdiv(N, small.block_n) < num_sms // 2
+
+
 def ragged_m_candidates(
     dtype: torch.dtype, T: int, E: int, K: int, N: int, num_sms: int = 132
 ) -> tuple[GemmConfig, ...]:
     """The ragged-M candidates for this static shape, its default first.
 
     * Few rows per expert (at most 16 on average) or too few default tiles to fill the
-      ``num_sms`` SMs lead with the narrow deep-K config.
+      ``num_sms`` SMs lead with the narrow deep-K config; where its tiles would still cover
+      under half the SMs, with the half-width decode config.
     * Fine-grained experts (≤ 1024 rows each on average) with K ≤ 2048 lead with the 4-stage
       sub-tiled config; larger experts or a longer K amortise the pipeline's fill and the
       3-stage config with a full-width epilogue does better.
@@ -148,7 +163,9 @@ def ragged_m_candidates(
     if dtype == torch.float32:
         return FP32_CANDIDATES
     cands = RAGGED_M_CANDIDATES
-    if T <= SMALL_MAX_ROWS_PER_EXPERT * E or _few_tiles(T, E, N, num_sms):
+    if _few_narrow_tiles(T, E, N, num_sms):
+        cands = (RAGGED_M_DECODE, *(c for c in cands if c != RAGGED_M_DECODE))
+    elif T <= SMALL_MAX_ROWS_PER_EXPERT * E or _few_tiles(T, E, N, num_sms):
         cands = (RAGGED_M_SMALL, *(c for c in cands if c != RAGGED_M_SMALL))
     elif T <= FINE_GRAINED_MAX_ROWS_PER_EXPERT * E and K <= FINE_GRAINED_MAX_K:
         cands = (RAGGED_M_FINE_GRAINED, *(c for c in cands if c != RAGGED_M_FINE_GRAINED))

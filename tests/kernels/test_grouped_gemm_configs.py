@@ -228,6 +228,25 @@ def test_ragged_m_small_problems_lead_with_narrow_tiles(T, E, N, small):
     assert base == set(tuning.RAGGED_M_CANDIDATES)
 
 
+@pytest.mark.parametrize(
+    "T, E, N, num_sms, decode",
+    [
+        (2, 8, 4096, 132, True),  # Mixtral decode dgrad / fc2: 2 x 32 narrow tiles
+        (2, 8, 8192, 132, False),  # Mixtral decode fc1: 128 narrow tiles
+        (8, 128, 1536, 132, False),  # Qwen3 decode: 96 narrow tiles
+        (1, 8, 4096, 132, True),  # a single row
+        (2, 8, 4096, 100, False),  # 64 tiles cover half of 100 SMs
+    ],
+)
+def test_ragged_m_decode_config_where_narrow_tiles_leave_most_sms_idle(T, E, N, num_sms, decode):
+    """Where even the narrow tiles would cover under half the SMs, the half-width decode config
+    leads (more SMs streaming the weights); the candidate set stays the same."""
+    cands = tuning.ragged_m_candidates(torch.bfloat16, T, E, 8192, N, num_sms)
+    assert (dataclasses.replace(cands[0], a_bounded=False) == tuning.RAGGED_M_DECODE) == decode
+    base = {dataclasses.replace(c, a_bounded=False, group_m=8) for c in cands}
+    assert base == set(tuning.RAGGED_M_CANDIDATES)
+
+
 def test_dynamic_schedule_counter_resets(monkeypatch):
     """Interpreter/CPU: the last program of a dynamically scheduled launch re-zeroes the shared
     counter, so consecutive launches reusing one counter (as launches on one CUDA stream do)

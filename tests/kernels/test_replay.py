@@ -32,6 +32,46 @@ def test_full_args_follow_the_signature_with_defaults():
         _replay._full_args(kernel, ("x", "y", 10, 1.0), {})
 
 
+def test_compile_jobs_are_shared_between_modes():
+    """A kernel one compile mode is still compiling (e.g. a backward's, started in the
+    background by the forward) is waited for by the next mode, not compiled twice; it is
+    finalised once, then forgotten; a failed job is forgotten too, so a later one retries."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate, compiled, finalized = threading.Event(), [], []
+
+    def compile_fn():
+        gate.wait(10)
+        compiled.append(1)
+        return "kernel"
+
+    pool = ThreadPoolExecutor(2)
+    first = _replay._SharedCompiles(pool)
+    with first:
+        job = first.submit("key", compile_fn, finalized.append)
+    second = _replay._SharedCompiles(pool)
+    with second:
+        assert second.submit("key", compile_fn, finalized.append) is job
+    assert "key" in _replay._IN_FLIGHT
+    gate.set()
+    second.finish()
+    first.finish()
+    assert compiled == [1] and finalized == ["kernel"]
+    assert "key" not in _replay._IN_FLIGHT
+
+    def broken():
+        raise RuntimeError("no")
+
+    third = _replay._SharedCompiles(pool)
+    with third:
+        bad = third.submit("bad", broken, finalized.append)
+    third.finish()  # ignore_errors: the real launch reports it
+    with pytest.raises(RuntimeError):
+        bad.result()
+    assert "bad" not in _replay._IN_FLIGHT and finalized == ["kernel"]
+
+
 def test_not_ready_until_recorded_and_interpreter_launches_never_replay(interpret):
     if not interpret:
         pytest.skip("launches a kernel: needs TRITON_INTERPRET=1 on CPU")

@@ -415,6 +415,37 @@ def test_gpu_first_backward_of_a_configuration_runs_one_segment(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_gpu_first_forward_compiles_the_backward_ahead():
+    """The first forward of a configuration starts its backward's compilations in the
+    background: once they are done, the backward compiles nothing more, and its gradients are
+    right. (Under MOEKIT_AUTOTUNE=1 compile-ahead steps aside: skipped then.)"""
+    from triton import knobs
+
+    from moekit.config import autotune_enabled
+    from moekit.runtime import replay
+
+    if autotune_enabled():
+        pytest.skip("compile-ahead steps aside while autotuning")
+    counts = [77, 0, 190, 5, 33]  # a configuration no other test runs
+    x, w1, w2, p, _, _ = _make(sum(counts), 5, 192, 320, "swiglu", torch.bfloat16, "cuda")
+    off = _offsets(counts, "cuda")
+    dy = torch.randn(sum(counts), 192, device="cuda", dtype=torch.bfloat16)
+    y = grouped_mlp(x, off, w1, w2, p)
+    replay._finisher().submit(lambda: None).result()  # the background jobs are finalised
+    compiled = []
+    previous = knobs.compilation.listener
+    knobs.compilation.listener = lambda src, *args, **kwargs: compiled.append(src.name)
+    try:
+        grads = torch.autograd.grad(y, (x, w1, w2, p), dy)
+    finally:
+        knobs.compilation.listener = previous
+    assert compiled == []
+    y_ref = grouped_mlp_ref(x, off, w1, w2, p)
+    for got, want in zip(grads, torch.autograd.grad(y_ref, (x, w1, w2, p), dy)):
+        assert _rel(got, want) < 3e-2
+
+
+@pytest.mark.gpu
 def test_gpu_replay_with_main_grad_and_misaligned_probs():
     """main_grad accumulation through replayed launches, and a probs view whose pointer is
     not 16-byte aligned (the replay must step aside: Triton assumed alignment when recording)."""
