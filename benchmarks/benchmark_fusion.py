@@ -10,8 +10,8 @@ For each rule, a chain of basic ops is timed three ways, forward + backward:
   direct      the fused moekit op or module it stands for, called directly
   unfused     the same Sequential with every rule off (fusions(disable=["all"]))
 
-Figures: host µs per call while the GPU is kept busy, best of 5 rounds taken in turns (the
-order rotating each round); the target, sequential ≤ direct + max(10 µs, 10 %), is judged on
+Figures: host µs per call while the GPU is kept busy (the median over batches of calls), best
+of 5 rounds taken in turns (the order rotating each round); the target, sequential ≤ direct + max(10 µs, 10 %), is judged on
 the median over rounds of the sequential − direct gap within a round; eager µs of
 back-to-back calls; GPU µs from a CUDA graph of 10 calls for the host-bound shapes
 (sequential equal to direct within noise). One GPU: grouped_mlp, add_rmsnorm and moe, each chain alone (it runs the fused op
