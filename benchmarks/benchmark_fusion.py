@@ -340,8 +340,13 @@ def main() -> None:
         rows.append(measure(name, rule, seq, direct, sequential, smoke, cycles, not args.tp))
         if cuda:
             torch.cuda.empty_cache()  # the CUDA graphs' memory pools
-    if args.tp and dist.get_rank() != 0:
-        return
+    if args.tp:
+        # every rank leaves the group before exiting: a process that exits with a live gloo
+        # group may abort in its threads' teardown
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return
     stem = "fusion_tp" if args.tp else "fusion"
     device = torch.cuda.get_device_name() if cuda else "cpu"
     write_json(os.path.join(args.out, f"{stem}.json"), {"device": device, "rows": rows}, True)

@@ -13,12 +13,13 @@ per-expert skew (so some experts get nothing). For each shape and pass
   block      permute -> grouped_mlp -> unpermute forward + backward
              (vs argsort / index_select / torch._grouped_mm / index_add_)
 
-it measures each contender three ways, as the issue defines them:
+it measures each contender three ways:
   eager  µs per call of back-to-back calls (triton.testing.do_bench median: max of host and GPU)
   gpu    µs per call of a CUDA graph of 20 calls (GPU work alone)
   host   µs of host time per call while the GPU is kept busy (calls enqueued behind a sleep)
 and prints the ratios torch / moekit (eager: > 1 means moekit is faster) and moekit / torch
-(host). Last, the warm-up: the wall time of the first forward + backward of a new MoE-block
+(host). Eager and host are taken in three rounds, the contenders in turns: figures are medians
+over the rounds, ratios the medians of the ratios within a round. Last, the warm-up: the wall time of the first forward + backward of a new MoE-block
 shape in a fresh process with an empty Triton cache, and again in a second process.
 
 Writes small_shapes.json and small_shapes.png under --out.
@@ -30,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,34 +153,79 @@ def make_steps(case, which: str) -> dict:
     return {"moekit": block(moekit_block), "torch": block(torch_block)}
 
 
-def measure(steps: dict, cuda: bool, cycles_per_ms, host_calls: int, per_batch: int) -> dict:
+def measure(
+    steps: dict, cuda: bool, cycles_per_ms, host_calls: int, per_batch: int, rounds: int = 3
+) -> dict:
     """Eager, GPU-only and host µs per call of each contender. ``per_batch`` calls are enqueued
     behind one GPU sleep: few enough that their launches stay within the GPU's launch queue
-    (a launch past it blocks the host until the GPU drains)."""
-    res = {}
+    (a launch past it blocks the host until the GPU drains).
+
+    On the GPU the contenders take turns for ``rounds`` rounds (the order rotating each round),
+    so that a slow stretch of the host hits them alike: each eager and host figure is the
+    median over the rounds, and each ratio the median of the ratios within a round."""
+    res, ready = {}, {}
     for name, fn in steps.items():
         try:
             fn()  # first call: configs, compilation, launch recording
             fn()
-            if cuda:
-                res[f"{name}_eager_us"] = bench_ms(fn, warmup=10, rep=40) * 1e3
-                res[f"{name}_host_us"], covered = host_us_per_call(
-                    fn, host_calls, cycles_per_ms, per_batch=per_batch
-                )
-                res[f"{name}_host_covered"] = covered
-                res[f"{name}_gpu_us"] = graph_us(fn)
-            else:
-                res[f"{name}_eager_us"] = host_ms(fn) * 1e3
-                res[f"{name}_host_us"] = res[f"{name}_eager_us"]
-                res[f"{name}_gpu_us"] = math.nan
+            ready[name] = fn
         except Exception as exc:
-            print(f"    {name} FAILED: {error_line(exc)}", flush=True)
-            res[f"{name}_error"] = error_line(exc)
-            for m in ("eager", "host", "gpu"):
-                res.setdefault(f"{name}_{m}_us", math.nan)
-    res["eager_speedup"] = res["torch_eager_us"] / res["moekit_eager_us"]
-    res["host_ratio"] = res["moekit_host_us"] / res["torch_host_us"]
-    if f"{FLOOR}_host_us" in res:
+            _failed(res, name, exc)
+    if not cuda:
+        for name, fn in ready.items():
+            res[f"{name}_eager_us"] = host_ms(fn) * 1e3
+            res[f"{name}_host_us"] = res[f"{name}_eager_us"]
+            res[f"{name}_gpu_us"] = math.nan
+        return _ratios(res, {})
+    per_round: dict[str, list[tuple[float, float]]] = {name: [] for name in ready}
+    names = list(ready)
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name not in ready:
+                continue
+            fn = ready[name]
+            try:
+                eager = bench_ms(fn, warmup=10, rep=40) * 1e3
+                host, covered = host_us_per_call(fn, host_calls, cycles_per_ms, per_batch=per_batch)
+            except Exception as exc:
+                _failed(res, name, exc)
+                del ready[name]
+                continue
+            per_round[name].append((eager, host))
+            res[f"{name}_host_covered"] = res.get(f"{name}_host_covered", True) and covered
+    for name, fn in ready.items():
+        res[f"{name}_eager_us"] = statistics.median(e for e, _ in per_round[name])
+        res[f"{name}_host_us"] = statistics.median(h for _, h in per_round[name])
+        res[f"{name}_rounds_us"] = per_round[name]
+        try:
+            res[f"{name}_gpu_us"] = graph_us(fn)
+        except Exception as exc:
+            _failed(res, name, exc, keep=True)
+    return _ratios(res, per_round)
+
+
+def _failed(res: dict, name: str, exc: Exception, keep: bool = False) -> None:
+    print(f"    {name} FAILED: {error_line(exc)}", flush=True)
+    res[f"{name}_error"] = error_line(exc)
+    for m in ("eager", "host", "gpu"):
+        if not keep or m == "gpu":
+            res.setdefault(f"{name}_{m}_us", math.nan)
+
+
+def _ratios(res: dict, per_round: dict) -> dict:
+    """eager_speedup = torch / moekit and host_ratio = moekit / torch: the median of the
+    per-round ratios where rounds were taken, else the ratio of the figures."""
+    mk, th = per_round.get("moekit", []), per_round.get("torch", [])
+    if mk and len(mk) == len(th):
+        res["eager_speedup"] = statistics.median(t[0] / m[0] for m, t in zip(mk, th))
+        res["host_ratio"] = statistics.median(m[1] / t[1] for m, t in zip(mk, th))
+    else:
+        res["eager_speedup"] = res["torch_eager_us"] / res["moekit_eager_us"]
+        res["host_ratio"] = res["moekit_host_us"] / res["torch_host_us"]
+    floor = per_round.get(FLOOR, [])
+    if mk and len(mk) == len(floor):
+        res["host_over_floor"] = statistics.median(m[1] / f[1] for m, f in zip(mk, floor))
+    elif f"{FLOOR}_host_us" in res:
         res["host_over_floor"] = res["moekit_host_us"] / res[f"{FLOOR}_host_us"]
     return res
 
