@@ -414,13 +414,13 @@ def compile_ahead(body: Callable[[], object], *, wait: bool = True) -> None:
     try:
         with mode:
             body()
-            if wait:
-                mode.finish()
     except Exception:  # the real run reports it
         pass
     finally:
         _COMPILE_ONLY.reset(token)
-    if not wait and mode.jobs:
+    if wait:
+        mode.finish()
+    elif mode.jobs:
         _finisher().submit(mode.finish)
 
 
