@@ -200,16 +200,15 @@ def measure(
         try:
             res[f"{name}_gpu_us"] = graph_us(fn)
         except Exception as exc:
-            _failed(res, name, exc, keep=True)
+            _failed(res, name, exc, metrics=("gpu",))
     return _ratios(res, per_round)
 
 
-def _failed(res: dict, name: str, exc: Exception, keep: bool = False) -> None:
+def _failed(res: dict, name: str, exc: Exception, metrics=("eager", "host", "gpu")) -> None:
     print(f"    {name} FAILED: {error_line(exc)}", flush=True)
     res[f"{name}_error"] = error_line(exc)
-    for m in ("eager", "host", "gpu"):
-        if not keep or m == "gpu":
-            res.setdefault(f"{name}_{m}_us", math.nan)
+    for m in metrics:
+        res.setdefault(f"{name}_{m}_us", math.nan)
 
 
 def _ratios(res: dict, per_round: dict) -> dict:

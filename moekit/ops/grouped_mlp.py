@@ -40,7 +40,7 @@ from moekit.ops.validation import (
     check_same_device,
     check_tensor,
 )
-from moekit.runtime.cache import cache_get, cached
+from moekit.runtime.cache import cached, first_time
 from moekit.runtime.device import is_capturing, spare_bytes, use_triton
 from moekit.runtime.eager import owned_gradient
 from moekit.runtime.replay import compile_ahead, replayed, tensor_key
@@ -349,10 +349,7 @@ class _Backward:
             return False
         roles = (self.dy, self.x, self.w1, self.w2, self.h, self.probs)
         key = ("mlp_bwd_first", *self.base, *map(tensor_key, roles))
-        if cache_get(key) is not None:
-            return False
-        cached(key, lambda: True)
-        if is_capturing():
+        if not first_time(key) or is_capturing():
             return False
         return spare_bytes(self.x.device) >= 2 * (self.held_bytes() + self.late_bytes())
 
@@ -451,17 +448,23 @@ def _backward_bytes(x, w1, w2, inter, recompute: bool) -> int:
     return rows * x.element_size() + 4 * R * (tuning.dact_partial_rows(F_, inter) + 1)
 
 
+def _needs(needs_input_grad: tuple) -> list[bool]:
+    """The gradients the backward computes (x, w1, w2, probs, b1, b2), from the Function's
+    ``needs_input_grad``."""
+    n = needs_input_grad
+    return [n[0], n[2], n[3], n[4], n[5], n[6]]
+
+
 def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, interleave,
-                            recompute, needs, bias_dtypes, uid) -> None:  # fmt: skip
+                            recompute, needs_input_grad, bias_dtypes, uid) -> None:  # fmt: skip
     """On a configuration's first forward, start compiling its backward's kernels, so that
     they compile while the forward and the ops after it run (a new shape's first step otherwise
     compiles them only when the backward arrives, after everything else). The backward's
     buffers are allocated for a moment: skipped where they do not fit twice in spare memory,
-    under CUDA-graph capture, and for a layout without a validated plan."""
-    key = ("mlp_bwd_ahead", uid, *needs)
-    if cache_get(key) is not None:
+    under CUDA-graph capture, and for a layout without a validated plan. (The plan fixes
+    which inputs require gradients, so ``uid`` alone keys the configuration.)"""
+    if not first_time(("mlp_bwd_ahead", uid)):
         return
-    cached(key, lambda: True)
     if not (uid and _aligned(x, w1, w2, b1, None)) or is_capturing():
         return
     inter = _interleave(interleave)
@@ -471,7 +474,7 @@ def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, i
     h, a = x.new_empty(R, W1), None if recompute else x.new_empty(R, F_)
     bwd = _Backward(
         x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, _activation(*act_args),
-        inter, needs, bias_dtypes, uid, False,
+        inter, _needs(needs_input_grad), bias_dtypes, uid, False,
     )  # fmt: skip
     bwd.alloc_w2()
     bwd.alloc_fc1(reuse_dy=False)
@@ -486,11 +489,9 @@ class _GroupedMLPFn(torch.autograd.Function):
     ):  # fmt: skip
         bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
         if eager and uid and x.is_cuda and x.shape[0] > 0:
-            n = ctx.needs_input_grad
-            needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
             _compile_backward_ahead(
-                x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute, needs,
-                bias_dtypes, uid,
+                x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute,
+                ctx.needs_input_grad, bias_dtypes, uid,
             )  # fmt: skip
         run = _forward.impl if eager else _forward
         y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
@@ -509,7 +510,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         x, offsets, w1, w2, probs, h, a, b1 = ctx.saved_tensors
         mg1, mg2 = ctx.main_grads
         n = ctx.needs_input_grad
-        needs = [n[0], n[2], n[3], n[4], n[5], n[6]]
+        needs = _needs(n)
         direct = eager_shortcut((grad,)) and ctx.eager
         run = _backward.impl if direct else _backward
         # only the direct call may return dx in grad's memory (a custom op's outputs cannot

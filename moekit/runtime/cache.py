@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-__all__ = ["MAX_ENTRIES", "cache_clear", "cache_entries", "cache_get", "cached"]
+__all__ = ["MAX_ENTRIES", "cache_clear", "cache_entries", "cache_get", "cached", "first_time"]
 
 MAX_ENTRIES = 2048
 
@@ -38,6 +38,15 @@ def cached(key: Hashable, build: Callable[[], Any]) -> Any:
 def cache_get(key: Hashable) -> Any:
     """The entry of ``key``, or None; builds nothing."""
     return _entries.get(key)
+
+
+def first_time(key: Hashable) -> bool:
+    """True the first time ``key`` is asked about (it is remembered from then on)."""
+    if key in _entries:
+        _entries.move_to_end(key)
+        return False
+    cached(key, lambda: True)
+    return True
 
 
 def cache_entries(kind: str) -> dict[Hashable, Any]:
