@@ -12,6 +12,9 @@ per-expert skew (so some experts get nothing). For each shape and pass
   mlp        grouped_mlp forward + backward          (vs torch._grouped_mm + SwiGLU, autograd)
   block      permute -> grouped_mlp -> unpermute forward + backward
              (vs argsort / index_select / torch._grouped_mm / index_add_)
+  permute    permute forward (routing metadata included) + backward of rows and probs
+             (vs argsort / index_select, counts by index_add_)
+  unpermute  unpermute forward + backward, routing made beforehand (vs index_add_)
 
 it measures each contender three ways:
   eager  µs per call of back-to-back calls (triton.testing.do_bench median: max of host and GPU)
@@ -51,6 +54,7 @@ from common import (
 )
 from torch_moe import torch_grouped_swiglu as torch_mlp
 from torch_moe import torch_moe_block as torch_block
+from torch_moe import torch_permute, torch_unpermute
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
@@ -71,7 +75,7 @@ SHAPES = [
 ]
 QUICK = ["decode_1_qwen3", "decode_64_e256", "short_2048_e8", "short_2048_e16"]
 SMOKE_SHAPES = [("smoke", 8, 2, 4, 32, 16)]
-PASSES = ("mm_fc1", "mm_dgrad", "mm_wgrad", "mlp", "block")
+PASSES = ("mm_fc1", "mm_dgrad", "mm_wgrad", "mlp", "block", "permute", "unpermute")
 CONTENDERS = ("moekit", "torch")
 GRAPH_CALLS = 20
 # One custom autograd Function with grouped_mlp's inputs and outputs that launches nothing: the
@@ -146,6 +150,27 @@ def make_steps(case, which: str) -> dict:
     xg = c["x_tok"].detach().requires_grad_()
     pg = c["probs"].detach().requires_grad_()
     ins, dy, idx, E = (xg, w1g, w2g, pg), c["dy_tok"], c["idx"], c["E"]
+    if which == "permute":
+        d_rows, d_probs = c["dy"], c["row_probs"]
+
+        def moekit_permute():
+            d = permute(xg, indices=idx, probs=pg, num_experts=E)
+            return torch.autograd.grad((d.hidden, d.probs), (xg, pg), (d_rows, d_probs))
+
+        def torch_perm():
+            rows, _, row_probs, _ = torch_permute(xg, idx, pg, E)
+            return torch.autograd.grad((rows, row_probs), (xg, pg), (d_rows, d_probs))
+
+        return {"moekit": moekit_permute, "torch": torch_perm}
+    if which == "unpermute":
+        yg = c["x"].detach().requires_grad_()
+        d = permute(c["x_tok"], indices=idx, probs=c["probs"], num_experts=E)
+        token = torch_permute(c["x_tok"], idx, c["probs"], E)[3]
+        tokens = c["tokens"]
+        return {
+            "moekit": lambda: torch.autograd.grad(unpermute(yg, d, weighted=False), yg, dy),
+            "torch": lambda: torch.autograd.grad(torch_unpermute(yg, token, tokens), yg, dy),
+        }
 
     def block(f):
         return lambda: torch.autograd.grad(f(xg, idx, pg, w1g, w2g, E), ins, dy)

@@ -222,6 +222,55 @@ def host_us_per_call(
     return statistics.median(per_call_us), covered_all
 
 
+def paired_host_gap_us(
+    fn_a: Callable, fn_b: Callable, pairs: int, cycles_per_ms: float, per_batch: int = 8
+) -> tuple[float, list[float], bool]:
+    """Host µs of one call of ``fn_a`` minus one call of ``fn_b``: the median over ``pairs``
+    pairs of adjacent calls, each call timed alone while the GPU is kept busy (``per_batch``
+    pairs behind one GPU sleep, the order within a pair alternating). A slow stretch of the
+    host (another tenant, a garbage collection) then hits both calls of a pair alike, where
+    timing each contender in its own batches lets it land on one of them: the difference of
+    two medians moves by far more than the gap itself. Returns (median, every pair's gap,
+    covered): covered is False when a batch ran past its GPU sleep even on retries, so the host
+    waited on the GPU in it."""
+    for _ in range(5):
+        fn_a()
+        fn_b()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        fn_a()
+        fn_b()
+        torch.cuda.synchronize()
+    upper_ms = (time.perf_counter() - t0) / 3 * 1e3  # one pair, host + GPU: an upper bound
+    clock = time.perf_counter
+    gaps: list[float] = []
+    misses, covered_all = 0, True
+    while len(gaps) < pairs:
+        k = min(per_batch, pairs - len(gaps))
+        torch.cuda._sleep(int((10 + 2 * k * upper_ms) * cycles_per_ms))
+        slept = torch.cuda.Event()
+        slept.record()
+        batch = []
+        for i in range(k):
+            first, second = (fn_a, fn_b) if (len(gaps) + i) % 2 == 0 else (fn_b, fn_a)
+            t0 = clock()
+            first()
+            t1 = clock()
+            second()
+            t2 = clock()
+            a_us, b_us = ((t1 - t0), (t2 - t1)) if first is fn_a else ((t2 - t1), (t1 - t0))
+            batch.append((a_us - b_us) * 1e6)
+        covered = not slept.query()
+        torch.cuda.synchronize()
+        if covered or misses >= 3:  # else the host waited on the GPU: measure it again
+            gaps += batch
+            covered_all = covered_all and covered
+        else:
+            misses += 1
+    return statistics.median(gaps), gaps, covered_all
+
+
 class AutogradFloor(torch.autograd.Function):
     """One custom autograd op with the grouped MLP's inputs and outputs and no kernels: y
     allocated forward, dx, dw1, dw2, dprobs backward. Its host time is what any custom op of

@@ -23,7 +23,9 @@ __all__ = [
     "torch_grouped_swiglu",
     "torch_moe",
     "torch_moe_block",
+    "torch_permute",
     "torch_topk_routing",
+    "torch_unpermute",
     "with_loss",
 ]
 
@@ -74,8 +76,9 @@ def torch_grouped_swiglu(x, offsets, w1, w2, probs):
     return torch.cat([a[s:e] @ w2[i].t() for i, (s, e) in enumerate(bounds)])
 
 
-def torch_moe_block(x, idx, probs, w1, w2, E: int, counts=None):
-    """Argsort permute → :func:`torch_grouped_swiglu` → ``index_add_`` combine."""
+def torch_permute(x, idx, probs, E: int, counts=None):
+    """Argsort dispatch: (rows [T·k, H] grouped by expert, offsets [E] int32, their probs
+    [T·k], token [T·k] int64: each row's source token)."""
     k = idx.shape[1]
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
@@ -84,8 +87,19 @@ def torch_moe_block(x, idx, probs, w1, w2, E: int, counts=None):
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
     token = order // k
-    y = torch_grouped_swiglu(x.index_select(0, token), offsets, w1, w2, probs.flatten()[order])
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    return x.index_select(0, token), offsets, probs.flatten()[order], token
+
+
+def torch_unpermute(y, token, tokens: int):
+    """``index_add_`` combine: the rows of each token summed back into [tokens, H]."""
+    return y.new_zeros(tokens, y.shape[1]).index_add_(0, token, y)
+
+
+def torch_moe_block(x, idx, probs, w1, w2, E: int, counts=None):
+    """:func:`torch_permute` → :func:`torch_grouped_swiglu` → :func:`torch_unpermute`."""
+    rows, offsets, row_probs, token = torch_permute(x, idx, probs, E, counts)
+    y = torch_grouped_swiglu(rows, offsets, w1, w2, row_probs)
+    return torch_unpermute(y.to(x.dtype), token, x.shape[0])
 
 
 def _aux_loss(scores, counts, k: int, coeff: float) -> torch.Tensor:

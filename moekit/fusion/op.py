@@ -55,10 +55,21 @@ class BasicOp(nn.Module):
       per ``self.parameters()`` (None where there is none, e.g. it went to ``main_grad``).
     - ``reference(x, extras) -> (y, outputs)``: the same function in plain differentiable
       PyTorch (the tests' oracle).
+
+    Optionally, like a fused op, ``autograd_forward(x, extras) -> (y, outputs)``: the op
+    through differentiable torch or moekit ops, which a chain may run instead of the
+    pipeline's autograd node (see :class:`FusedOp`), wherever ``autograd_ready()`` says so
+    for this call.
     """
 
     extra_inputs: tuple[str, ...] = ()
     extra_outputs: tuple[str, ...] = ()
+    autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
+
+    def autograd_ready(self) -> bool:
+        """Whether ``autograd_forward`` computes what ``op_forward`` / ``op_backward`` would
+        for a call now (checked on every call of a chain that would run it)."""
+        return True
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: Extras) -> tuple:
         raise NotImplementedError
@@ -88,8 +99,9 @@ class FusedOp:
 
     A fused op that runs both passes may also set ``autograd_forward(x, extras) -> (y,
     outputs)``: the same window through moekit's differentiable ops (their own autograd
-    Functions). A chain whose plan is this one op in both passes then runs it directly,
-    without the pipeline's autograd node and its host time.
+    Functions). A chain whose two passes run the same steps, each with an autograd form, runs
+    those forms one after another under autograd, without the pipeline's autograd node and
+    its host time.
     """
 
     autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None

@@ -2,7 +2,10 @@
 
 Autograd runs at the pipeline level: one autograd node for the whole chain, whose forward runs
 the forward plan and whose backward runs the backward plan, so the two passes may fuse
-different windows (see :mod:`moekit.fusion.plan`).
+different windows (see :mod:`moekit.fusion.plan`). Where both passes run the same steps and
+each has an autograd form of its own (a fused op's moekit op, ``Linear``'s ``F.linear``), the
+chain runs those forms one after another instead and autograd differentiates them: the same
+result for less host time.
 """
 
 from __future__ import annotations
@@ -40,16 +43,22 @@ torch.nn.modules.module.register_module_parameter_registration_hook(_on_paramete
 class _Program:
     """A plan turned into the calls each pass makes."""
 
-    __slots__ = ("bwd", "fwd", "n_ops", "n_params", "plan", "slices", "whole")
+    __slots__ = ("bwd", "fwd", "n_ops", "n_params", "plan", "ready", "slices", "steps")
 
     def __init__(self, plan: Plan, slices: tuple[tuple[int, int], ...]) -> None:
         self.plan, self.slices, self.n_ops = plan, slices, len(plan.ops)
         self.n_params = slices[-1][1] if slices else 0
-        # One fused op for the whole chain in both passes, with an autograd form of its own:
-        # the call runs that directly (see FusedOp.autograd_forward).
-        self.whole = None
-        if len(plan.forward) == 1 and plan.backward == plan.forward:
-            self.whole = getattr(plan.forward[0].runner, "autograd_forward", None)
+        # Both passes run the same steps and each has an autograd form: the call runs those
+        # forms one after another and autograd differentiates them, with no pipeline node
+        # (see FusedOp.autograd_forward) -- when every basic op among them is ready for it.
+        self.steps = self.ready = None
+        if plan.backward == plan.forward:
+            forms = tuple(getattr(s.runner, "autograd_forward", None) for s in plan.forward)
+            if all(forms):
+                self.steps = forms
+                self.ready = tuple(
+                    s.runner.autograd_ready for s in plan.forward if isinstance(s.runner, BasicOp)
+                )
         self.fwd = tuple(_forward_call(s.lo, s.hi, s.runner) for s in plan.forward)
         self.bwd = tuple(
             (_backward_call(s.lo, s.hi, s.runner), s.lo) for s in reversed(plan.backward)
@@ -258,9 +267,11 @@ class Sequential(nn.Module):
 
     def _program(self, x: torch.Tensor, requires_grad: bool) -> _Program:
         key = (x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, settings_key())
-        prog = self._programs.get(key)
+        programs = self._programs
+        prog = programs.get(key)
         if prog is not None:
-            self._programs.move_to_end(key)
+            if len(programs) > 1:
+                programs.move_to_end(key)
         else:
             prog = _Program(make_plan(self.ops, self._facts(x, requires_grad)), self._slices)
             if len(self._programs) >= _MAX_PLANS:
@@ -319,29 +330,29 @@ class Sequential(nn.Module):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
-        tensor_names: list[str] = []
-        tensors: list[torch.Tensor] = []
-        if self.extra_input_names or args or kwargs:
-            env = self._extras(args, kwargs)
-            for n, v in env.items():
-                if isinstance(v, torch.Tensor):
-                    tensor_names.append(n)
-                    tensors.append(v)
+        names = self.extra_input_names
+        if not kwargs and len(args) == len(names):  # every extra by position: nothing to check
+            env = dict(zip(names, args))
         else:
-            env = {}
+            env = self._extras(args, kwargs)
         requires_grad = torch.is_grad_enabled() and (
-            x.requires_grad or _any_requires_grad(self._params) or _any_requires_grad(tensors)
+            x.requires_grad
+            or _any_requires_grad(self._params)
+            or _any_tensor_requires_grad(env.values())
         )
         prog = self._program(x, requires_grad)
         out_names = self.extra_output_names
-        if prog.whole is not None:
-            y, made = prog.whole(x, env)
-            return (y, *(made[n] for n in out_names)) if out_names else y
+        if prog.steps is not None and _all_true(prog.ready):
+            for step in prog.steps:
+                x, made = step(x, env)
+                if made:
+                    env.update(made)
+            return (x, *[env[n] for n in out_names]) if out_names else x
         if not requires_grad:
             y, _ = _run_forward(prog, x, env)
-            return (y, *(env[n] for n in out_names)) if out_names else y
-        for n in tensor_names:
-            del env[n]
+            return (y, *[env[n] for n in out_names]) if out_names else y
+        tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
+        tensors = [env.pop(n) for n in tensor_names]
         call = _Call(prog, env, tensor_names, out_names)
         if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
             outs = _apply_pipeline.direct(call, x, *tensors, *self._params)
@@ -367,6 +378,21 @@ class Sequential(nn.Module):
 def _any_requires_grad(tensors) -> bool:
     for t in tensors:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
         if t.requires_grad:
+            return True
+    return False
+
+
+def _all_true(checks) -> bool:
+    for check in checks:  # noqa: SIM110 - a loop, not all(...): a generator costs more here
+        if not check():
+            return False
+    return True
+
+
+def _any_tensor_requires_grad(values) -> bool:
+    """Whether any of ``values`` (tensors and other extras) is a tensor that requires grad."""
+    for v in values:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
+        if isinstance(v, torch.Tensor) and v.requires_grad:
             return True
     return False
 

@@ -59,7 +59,7 @@ from moekit.config import lamport_slot_bytes
 from moekit.distributed.env import group_from_name
 from moekit.distributed.symmetric_pool import SymmetricPool, get_pool, pool_generation
 from moekit.kernels import allreduce as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.rmsnorm import (
     add_rmsnorm,
     add_rmsnorm_backward,
@@ -329,6 +329,7 @@ class _AllreduceAddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        refuse_double_backward("allreduce_add_rmsnorm")
         if not ctx.has_weight:
             (d_ro,) = grads
             return d_ro, (d_ro if ctx.has_residual else None), None, None, None, None

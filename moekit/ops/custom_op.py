@@ -32,7 +32,14 @@ import torch
 
 from moekit.runtime.eager import plain_eager
 
-__all__ = ["dispatcher_only", "eager_shortcut", "function_apply", "kernel_op", "needs_grad"]
+__all__ = [
+    "dispatcher_only",
+    "eager_shortcut",
+    "function_apply",
+    "kernel_op",
+    "needs_grad",
+    "refuse_double_backward",
+]
 
 _force_normal_path = [False]
 
@@ -57,6 +64,18 @@ def needs_grad(*tensors: torch.Tensor | None) -> bool:
         if t is not None and t.requires_grad:
             return True
     return False
+
+
+def refuse_double_backward(op: str) -> None:
+    """Raise in a Function's ``backward`` that runs under ``create_graph=True`` (autograd runs a
+    backward with grad mode on only then): moekit's backward kernels are not differentiable,
+    and a higher-order gradient through them would silently miss their terms. Under
+    ``torch.compile`` tracing the compiler owns the backward and this does nothing."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"moekit.ops.{op} does not support a double backward (create_graph=True): its "
+            "backward kernels are not differentiable"
+        )
 
 
 def eager_shortcut(args: tuple) -> bool:

@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import (
     FLOAT_DTYPES,
     check_byte_aligned,
@@ -247,6 +247,7 @@ class _RaggedMFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("grouped_mm")
         a, b, offsets = ctx.saved_tensors
         grad = grad.to(a.dtype)
         da, dbias = input_and_bias_grads(ctx, grad, b.transpose(1, 2), offsets, a.dtype)
@@ -263,6 +264,7 @@ class _RaggedKFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         # c[e] = a[:, Se] @ b[Se]  ⇒  da[:, Se] = grad[e] @ b[Se]^T,  db[Se] = a[:, Se]^T @ grad[e]
+        refuse_double_backward("grouped_mm")
         a, b, offsets = ctx.saved_tensors
         grad = grad.to(a.dtype)
         da = db = None

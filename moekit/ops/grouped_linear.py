@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moekit.ops import validation as v
-from moekit.ops.custom_op import function_apply
+from moekit.ops.custom_op import function_apply, refuse_double_backward
 from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
 
 __all__ = ["check_features", "grouped_linear"]
@@ -24,6 +24,7 @@ class _GroupedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("grouped_linear")
         x, weight, offsets = ctx.saved_tensors
         grad = grad.to(x.dtype)
         dx, dbias = input_and_bias_grads(ctx, grad, weight, offsets, x.dtype)

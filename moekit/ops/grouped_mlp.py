@@ -27,7 +27,13 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
-from moekit.ops.custom_op import eager_shortcut, function_apply, kernel_op, needs_grad
+from moekit.ops.custom_op import (
+    eager_shortcut,
+    function_apply,
+    kernel_op,
+    needs_grad,
+    refuse_double_backward,
+)
 from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.validation import (
@@ -507,6 +513,7 @@ class _GroupedMLPFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_double_backward("grouped_mlp")
         x, offsets, w1, w2, probs, h, a, b1 = ctx.saved_tensors
         mg1, mg2 = ctx.main_grads
         n = ctx.needs_input_grad

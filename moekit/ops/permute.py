@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 
 from moekit.kernels import permute as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.routing import (
     capacity_drop,
     max_rows,
@@ -228,6 +228,7 @@ class _PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
+        refuse_double_backward("permute")
         row_index = ctx.row_index
         need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not need_p or grad_probs is None:
@@ -267,6 +268,7 @@ class _UnpermuteFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         if grad_out is None:
             return None, None, None, None, None, None, None
+        refuse_double_backward("unpermute")
         row_index, offsets, tokens_per_expert, row_probs, expert_out = ctx.saved_tensors
         num_rows, align, tail_lo = ctx.static
         # Rows no slot maps to (padding, tail, dropped) get zero gradient from the zero-fills.

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels import rmsnorm as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad
+from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_same_device, check_tensor
 from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
 from moekit.runtime.device import num_sms, use_triton
@@ -182,6 +182,7 @@ class _AddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_normed, d_ro=None):
+        refuse_double_backward("add_rmsnorm")
         ro, weight, rstd = ctx.saved_tensors
         shape = d_normed.shape
         d_ro = None if d_ro is None else rows(d_ro.contiguous())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels import router as kernels
-from moekit.ops.custom_op import function_apply, kernel_op
+from moekit.ops.custom_op import function_apply, kernel_op, refuse_double_backward
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_ndim, check_tensor
 from moekit.reference.router import topk_routing_backward_ref, topk_routing_ref
 from moekit.runtime.device import use_triton
@@ -52,22 +52,23 @@ def _forward(
         return p, i, torch.bincount(i.flatten().long(), minlength=E).to(torch.int32)
     probs = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     indices = torch.empty(T, k, dtype=torch.int32, device=logits.device)
-    counts = torch.zeros(E, dtype=torch.int32, device=logits.device)
-    if T > 0:
-        key = None
-        if logits.is_cuda:
-            key = (
-                "topk_routing", tensor_key(logits), expert_bias is None, k, score, num_groups,
-                topk_groups, normalize, scaling,
-            )  # fmt: skip
+    if T == 0:
+        return probs, indices, torch.zeros(E, dtype=torch.int32, device=logits.device)
+    counts = torch.empty(E, dtype=torch.int32, device=logits.device)  # zeroed by the kernels
+    key = None
+    if logits.is_cuda:
+        key = (
+            "topk_routing", tensor_key(logits), expert_bias is None, k, score, num_groups,
+            topk_groups, normalize, scaling,
+        )  # fmt: skip
 
-        def body() -> None:
-            kernels.topk_routing_fwd(
-                logits, expert_bias, probs, indices, counts, score, *groups, normalize,
-                scaling, router_config(E),
-            )  # fmt: skip
+    def body() -> None:
+        kernels.topk_routing_fwd(
+            logits, expert_bias, probs, indices, counts, score, *groups, normalize,
+            scaling, router_config(E),
+        )  # fmt: skip
 
-        replayed(key, (logits, expert_bias, probs, indices, counts), body)
+    replayed(key, (logits, expert_bias, probs, indices, counts), body)
     return probs, indices, counts
 
 
@@ -115,6 +116,7 @@ class _RoutingFn(torch.autograd.Function):
         logits, indices = ctx.saved_tensors
         if grad_probs is None:
             return (None,) * 8
+        refuse_double_backward("topk_routing")
         dlogits = _backward(grad_probs.contiguous(), logits, indices, *ctx.static)
         return dlogits, None, None, None, None, None, None, None
 

@@ -1,7 +1,7 @@
 """moekit.fusion.Sequential under torch.compile (CPU, the aot_eager backend): a chain that is
-one fused op runs that op's traceable form, so it compiles into one graph
-(``fullgraph=True``); a chain through the pipeline's autograd node compiles with graph
-breaks. Forward and backward match eager."""
+one fused op, or of steps that each have an autograd form, runs those traceable forms, so it
+compiles into one graph (``fullgraph=True``); a chain through the pipeline's autograd node
+compiles with graph breaks. Forward and backward match eager."""
 
 from __future__ import annotations
 
@@ -52,8 +52,17 @@ def test_grouped_mlp_chain_compiles_into_one_graph():
         torch.testing.assert_close(a, b)
 
 
+def test_linear_add_rmsnorm_chain_compiles_into_one_graph():
+    """Two steps with autograd forms (F.linear, then add_rmsnorm): no pipeline node."""
+    seq = mf.Sequential(mf.Linear(H, H), mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H))
+    inputs = [torch.randn(8, H, requires_grad=True), torch.randn(8, H, requires_grad=True)]
+    assert len(seq.plan(inputs[0]).forward) == 2
+    _compare(seq, inputs, fullgraph=True)
+
+
 def test_pipeline_chain_compiles_with_graph_breaks():
     seq = mf.Sequential(mf.Linear(H, H), mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H))
     inputs = [torch.randn(8, H, requires_grad=True), torch.randn(8, H, requires_grad=True)]
-    assert len(seq.plan(inputs[0]).forward) == 2  # Linear, then add_rmsnorm: the pipeline node
-    _compare(seq, inputs, fullgraph=False)
+    with mf.fusions(disable=["add_rmsnorm"]):  # basic ops without autograd forms: the pipeline
+        assert len(seq.plan(inputs[0]).forward) == 4
+        _compare(seq, inputs, fullgraph=False)

@@ -594,13 +594,62 @@ def test_double_backward_raises():
         g.sum().backward()
 
 
-def test_second_backward_raises():
+def test_second_backward_through_the_pipeline_node_raises():
     seq = _norm_chain()
     x = torch.randn(3, 16, requires_grad=True)
-    y, ro = seq(x, torch.randn(3, H))
+    with fusions(disable=["add_rmsnorm"]):  # basic ops without autograd forms: the pipeline
+        y, ro = seq(x, torch.randn(3, H))
+    assert type(y.grad_fn).__name__ == "_PipelineFnBackward"
     (y.sum() + ro.sum()).backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         (y.sum() + ro.sum()).backward()
+
+
+def test_double_backward_through_the_pipeline_node_raises():
+    seq = _norm_chain()
+    x = torch.randn(3, 16, requires_grad=True)
+    with fusions(disable=["add_rmsnorm"]):
+        y, _ = seq(x, torch.randn(3, H))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(y.square().sum(), x, create_graph=True)
+
+
+def test_steps_with_autograd_forms_run_without_the_pipeline_node():
+    """Linear then add_rmsnorm in both passes: F.linear and moekit's add_rmsnorm run one after
+    the other under autograd (no pipeline node), with the reference's outputs and gradients;
+    a second backward then works as it does for those ops."""
+    seq = _norm_chain()
+    x = torch.randn(3, 16)
+    assert [s.rule for s in seq.plan(x).forward] == [None, "add_rmsnorm"]
+    check_all_modes(seq, x, [torch.randn(3, H)])
+    xg = x.clone().requires_grad_()
+    y, ro = seq(xg, torch.randn(3, H))
+    assert type(y.grad_fn).__name__ == "_AddRMSNormFnBackward"
+    (y.sum() + ro.sum()).backward(retain_graph=True)
+    first = xg.grad.clone()
+    (y.sum() + ro.sum()).backward()
+    assert_close(xg.grad, 2 * first, "second backward", tol=1e-6)
+
+
+def test_linear_with_main_grad_runs_through_the_pipeline_node():
+    """F.linear would leave the weight's gradient in .grad: a Linear whose weight carries a
+    main_grad makes the chain take the pipeline node, which adds it there."""
+    seq = _norm_chain()
+    x, r = torch.randn(3, 16), torch.randn(3, H)
+    dys = output_grads(seq, x, [r])
+    want = run(seq, "reference", x, [r], dys).grads
+    seq.zero_grad(set_to_none=True)
+    w = seq[0].weight
+    w.main_grad = torch.zeros_like(w, dtype=torch.float32)
+    try:
+        y, ro = seq(x, r)
+        assert type(y.grad_fn).__name__ == "_PipelineFnBackward"
+        torch.autograd.backward([y, ro], dys)
+        assert w.grad is None
+        assert_close(w.main_grad, want["param 0.weight"], "main_grad")
+    finally:
+        del w.main_grad
+        seq.zero_grad(set_to_none=True)
 
 
 # --- MOEKIT_FUSIONS and fusions() ----------------------------------------------------------

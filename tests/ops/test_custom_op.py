@@ -189,3 +189,68 @@ def test_owned_gradient_only_when_nothing_else_holds_it(run):
     _Probe.seen.clear()
     run(_Probe.apply(x), w)
     assert _Probe.seen == [OWNERSHIP_CASES[run]]
+
+
+def _double_backward_cases():
+    from moekit.ops import add_rmsnorm, permute, topk_routing, unpermute
+
+    g = torch.Generator().manual_seed(0)
+    T, E, H, F = 6, 3, 8, 4
+    offsets = torch.tensor([2, 2, 6], dtype=torch.int32)
+    idx = torch.tensor([[0, 2], [1, 2], [0, 1], [2, 0], [1, 0], [2, 1]])
+    probs = torch.rand(T, 2, generator=g)
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    def mm():
+        a, b = leaf(T, H), leaf(E, H, F)
+        return grouped_mm(a, b, offsets), (a, b)
+
+    def wgrad():
+        a, b = leaf(H, T), leaf(T, F)
+        return grouped_mm(a, b, offsets), (a, b)
+
+    def mlp():
+        x, w1, w2, p = leaf(T, H), leaf(E, 2 * F, H), leaf(E, H, F), leaf(T)
+        return grouped_mlp(x, offsets, w1, w2, p), (x, w1, w2, p)
+
+    def linear():
+        x, w = leaf(T, H), leaf(E, F, H)
+        return grouped_linear(x, w, offsets), (x, w)
+
+    def norm():
+        x, r, w = leaf(T, H), leaf(T, H), leaf(H)
+        return add_rmsnorm(x, r, w)[0], (x, r, w)
+
+    def perm():
+        x, p = leaf(T, H), probs.clone().requires_grad_()
+        d = permute(x, indices=idx, probs=p, num_experts=E)
+        return d.hidden, (x,)
+
+    def unperm():
+        y = leaf(T * 2, H)
+        d = permute(torch.randn(T, H, generator=g), indices=idx, probs=probs, num_experts=E)
+        return unpermute(y, d, weighted=False), (y,)
+
+    def route():
+        logits = leaf(T, E)
+        return topk_routing(logits, 2)[0], (logits,)
+
+    return {
+        "grouped_mm": mm, "grouped_mm_wgrad": wgrad, "grouped_mlp": mlp,
+        "grouped_linear": linear, "add_rmsnorm": norm, "permute": perm, "unpermute": unperm,
+        "topk_routing": route,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("op", list(_double_backward_cases()))
+def test_double_backward_raises_instead_of_missing_terms(op):
+    """Backward kernels are not differentiable: create_graph=True raises (naming the op), never
+    returns a gradient whose own gradient silently lacks their terms; a plain backward works."""
+    out, leaves = _double_backward_cases()[op]()
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(out.square().sum(), leaves, create_graph=True)
+    out, leaves = _double_backward_cases()[op]()
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)

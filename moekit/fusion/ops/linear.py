@@ -107,6 +107,14 @@ class Linear(BasicOp):
             db = dy2.sum(0, dtype=torch.float32).to(self.bias.dtype)
         return dx, {}, (dw, db) if self.bias is not None else (dw,)
 
+    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
+        self._check(x)
+        return F.linear(x, self.weight, self.bias), None
+
+    def autograd_ready(self) -> bool:
+        # F.linear's own backward: no tensor-parallel reduction of dx, no main_grad
+        return self.mode is None and getattr(self.weight, "main_grad", None) is None
+
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         if self.mode == "column" and _group_size_rank(self.group)[0] > 1:
             x = _ColumnInputRef.apply(x, self.group)

@@ -51,7 +51,10 @@ class FusedAddRMSNorm(FusedOp):
         _, make, norm = self.ops
         r = self._residual(x, extras)
         # the kernels read contiguous rows (a copy, with its gradient, where they are not)
-        x, r = (t if t.is_contiguous() else t.contiguous() for t in (x, r))
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not r.is_contiguous():
+            r = r.contiguous()
         y, ro = add_rmsnorm(x, r, norm.weight, norm.eps)
         return y, {make.name: ro}
 
