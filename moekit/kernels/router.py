@@ -177,8 +177,9 @@ def topk_routing_fwd(
     T, E = logits.shape
     k = probs.shape[1]
     groups = num_groups or 0
-    # The routing programs add their selections to counts: zero it first. A launch of our own
-    # rather than torch.zeros: replayed with the other one, it costs the host a fraction.
+    # The routing programs add their selections to counts: zero it first, with a launch of our
+    # own that is replayed with the routing launch (torch.zeros would go through the dispatcher
+    # on every call).
     launch(_zero_counts_kernel, (1,), counts, E, BLOCK_E=config.block_e, num_warps=1)
     launch(
         _topk_routing_fwd_kernel, (cdiv(T, config.block_t),),
