@@ -168,6 +168,18 @@ def sleep_cycles_per_ms() -> float:
     return cycles / start.elapsed_time(end)
 
 
+def _synchronized_ms(*fns: Callable) -> float:
+    """ms of host + GPU time of one call of each of ``fns`` in turn, synchronised after each
+    turn (mean of 3): an upper bound that sizes the GPU sleep the host-time loops hide behind."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        for fn in fns:
+            fn()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 3 * 1e3
+
+
 def host_us_per_call(
     fn, n: int, cycles_per_ms: float | None, per_batch: int = 25, passes: int = 2
 ) -> tuple[float, bool]:
@@ -188,12 +200,7 @@ def host_us_per_call(
         for _ in range(n):
             fn()
         return (time.perf_counter() - t0) / n * 1e6, True
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn()
-        torch.cuda.synchronize()
-    upper_ms = (time.perf_counter() - t0) / 3 * 1e3  # host + GPU time per call: an upper bound
+    upper_ms = _synchronized_ms(fn)
     per_call_us, covered_all = [], True
     attempts = 2  # a second, longer sleep if the first ran out
     for _ in range(passes):
@@ -236,13 +243,7 @@ def paired_host_gap_us(
     for _ in range(5):
         fn_a()
         fn_b()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(3):
-        fn_a()
-        fn_b()
-        torch.cuda.synchronize()
-    upper_ms = (time.perf_counter() - t0) / 3 * 1e3  # one pair, host + GPU: an upper bound
+    upper_ms = _synchronized_ms(fn_a, fn_b)
     clock = time.perf_counter
     gaps: list[float] = []
     misses, covered_all = 0, True

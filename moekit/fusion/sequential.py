@@ -274,9 +274,9 @@ class Sequential(nn.Module):
                 programs.move_to_end(key)
         else:
             prog = _Program(make_plan(self.ops, self._facts(x, requires_grad)), self._slices)
-            if len(self._programs) >= _MAX_PLANS:
-                self._programs.popitem(last=False)
-            self._programs[key] = prog
+            if len(programs) >= _MAX_PLANS:
+                programs.popitem(last=False)
+            programs[key] = prog
         return prog
 
     def plan(
@@ -336,9 +336,7 @@ class Sequential(nn.Module):
         else:
             env = self._extras(args, kwargs)
         requires_grad = torch.is_grad_enabled() and (
-            x.requires_grad
-            or _any_requires_grad(self._params)
-            or _any_tensor_requires_grad(env.values())
+            x.requires_grad or _any_requires_grad(self._params) or _any_requires_grad(env.values())
         )
         prog = self._program(x, requires_grad)
         out_names = self.extra_output_names
@@ -375,9 +373,11 @@ class Sequential(nn.Module):
         return (x, *(env[n] for n in out_names)) if out_names else x
 
 
-def _any_requires_grad(tensors) -> bool:
-    for t in tensors:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
-        if t.requires_grad:
+def _any_requires_grad(values) -> bool:
+    """Whether any of ``values`` (parameters, or extras of any type) is a tensor that requires
+    grad."""
+    for v in values:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
+        if isinstance(v, torch.Tensor) and v.requires_grad:
             return True
     return False
 
@@ -387,14 +387,6 @@ def _all_true(checks) -> bool:
         if not check():
             return False
     return True
-
-
-def _any_tensor_requires_grad(values) -> bool:
-    """Whether any of ``values`` (tensors and other extras) is a tensor that requires grad."""
-    for v in values:  # noqa: SIM110 - a loop, not any(...): a generator costs more here
-        if isinstance(v, torch.Tensor) and v.requires_grad:
-            return True
-    return False
 
 
 def _hidden_hint(ops: tuple[BasicOp, ...]) -> int:
