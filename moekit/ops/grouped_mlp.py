@@ -107,7 +107,8 @@ def _dact(dy, w2, offsets, h, probs, dh, a_re, part, dp, act, interleave) -> Non
 
     key = (H, F_, E, act, interleave, a_re is not None, probs is not None)
     cfg = gemm_tuning.choose_config(
-        "mlp_dact", key, dy.dtype, dy.device, tuning.dact_candidates(interleave),
+        "mlp_dact", key, dy.dtype, dy.device,
+        tuning.dact_candidates(interleave, R, F_, a_re is not None),
         lambda: gemm_tuning.routing_robust_launches(launch, R, E, offsets),
         tuning.fit_interleave(gemm_tuning.INTERPRET_CONFIG, interleave), keep_default_within=0.0,
     )  # fmt: skip

@@ -20,10 +20,12 @@ __all__ = [
     "fit_interleave",
 ]
 
+# Gated: two [128, 128] accumulators (gate and up) fed from one A tile; a fourth stage keeps
+# more of the three operand tiles in flight.
 _FC1_GATED = (
+    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
     GemmConfig(128, 128, 64, num_warps=8, num_stages=3),
     GemmConfig(128, 64, 64, num_warps=4, num_stages=4),
-    GemmConfig(128, 128, 64, num_warps=8, num_stages=4),
     GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
 )
 _FC1 = (
@@ -37,6 +39,15 @@ _DACT = (
     GemmConfig(128, 256, 64, num_warps=8, num_stages=3),
     GemmConfig(64, 128, 64, num_warps=4, num_stages=4),
 )
+# The dact epilogue reads h and writes dh, memory-bound work that the tile's tensor cores sit
+# out: wide tiles halve the epilogues per row (and the re-reads of dy across F-tiles). That pays
+# where there are many rows to spread over the SMs and F is moderate, and not when the epilogue
+# also stores the recomputed activation (its registers and shared memory no longer fit well).
+_DACT_WIDE = GemmConfig(128, 256, 64, num_warps=8, num_stages=4)
+DACT_WIDE_MIN_ROWS = 32768
+DACT_WIDE_MAX_F = 4096
+_DACT_WIDE_FIRST = (_DACT_WIDE, *_DACT)
+_DACT_ALL = (*_DACT, _DACT_WIDE)
 
 
 def _fused_block_n(block_n: int, interleave: int | None) -> int:
@@ -65,9 +76,14 @@ def fc1_candidates(gated: bool, interleave: int | None) -> tuple[GemmConfig, ...
     return _fit_all(_FC1_GATED if gated else _FC1, interleave)
 
 
-def dact_candidates(interleave: int | None) -> tuple[GemmConfig, ...]:
-    """The dact kernel's candidates, default first."""
-    return _fit_all(_DACT, interleave)
+def dact_candidates(
+    interleave: int | None, rows: int, F: int, store_a: bool
+) -> tuple[GemmConfig, ...]:
+    """The dact kernel's candidates for ``rows`` (R, the static row count) and ``F``, default
+    first: the wide tile for large R, moderate F and no recomputed activation to store."""
+    if rows >= DACT_WIDE_MIN_ROWS and F <= DACT_WIDE_MAX_F and not store_a:
+        return _fit_all(_DACT_WIDE_FIRST, interleave)
+    return _fit_all(_DACT_ALL, interleave)
 
 
 @functools.cache
@@ -75,5 +91,8 @@ def dact_partial_rows(F: int, interleave: int | None) -> int:
     """Rows of the dprobs-partials buffer that the dact kernel needs for any config it may
     run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included).
     Cached: every backward asks."""
-    cands = (*dact_candidates(interleave), fit_interleave(INTERPRET_CONFIG, interleave))
+    cands = (
+        *_fit_all(_DACT_ALL, interleave),
+        fit_interleave(INTERPRET_CONFIG, interleave),
+    )
     return max(cdiv(F, c.block_n) for c in cands)

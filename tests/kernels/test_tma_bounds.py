@@ -99,7 +99,10 @@ def test_gpu_ragged_k_operands_at_mapping_edges(guarded, at_end):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated, interleave", [(True, None), (True, 32), (False, None)])
-def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave):
+@pytest.mark.parametrize("wide", [False, True], ids=["recompute", "wide_tiles"])
+def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave, wide):
+    """The default config with the recomputed activation stored, and the wide-tile default of
+    many rows (without it)."""
     R, H, F = sum(COUNTS) + TAIL, 256, 384
     W1 = 2 * F if gated else F
     act = resolve_activation("swiglu" if gated else "gelu")
@@ -107,12 +110,13 @@ def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave):
     dy = guarded((R, H), torch.bfloat16)
     h = guarded((R, W1), torch.bfloat16)
     dh = guarded((R, W1), torch.bfloat16)
-    a_re = guarded((R, F), torch.bfloat16, at_end=True)
+    a_re = None if wide else guarded((R, F), torch.bfloat16, at_end=True)
     w2 = torch.randn(len(COUNTS), H, F, dtype=torch.bfloat16, device="cuda") / 16
     probs = torch.rand(R, device="cuda")
     part = torch.empty(mlp_tuning.dact_partial_rows(F, interleave), R, device="cuda")
     dh.fill_(float("nan"))
-    cfg = mlp_tuning.dact_candidates(interleave)[0]
+    rows = mlp_tuning.DACT_WIDE_MIN_ROWS if wide else R
+    cfg = mlp_tuning.dact_candidates(interleave, rows, F, store_a=a_re is not None)[0]
     MLP.grouped_mlp_dact(dy, w2, offsets, h, probs, dh, a_re, part, act, interleave, cfg)
     torch.cuda.synchronize()
 
@@ -122,8 +126,9 @@ def test_gpu_dact_operands_at_mapping_edges(guarded, gated, interleave):
     da = grouped_mm_ragged_m_ref(dy.float(), w2.float(), offsets, torch.float32)
     (dh_ref,) = torch.autograd.grad(out, hf, da * probs[:, None])
     assert _rel(dh[:routed], dh_ref[:routed]) < 2e-2
-    a_ref = out.detach() * probs[:, None]
-    assert _rel(a_re[:routed], a_ref[:routed]) < 2e-2
+    if a_re is not None:
+        a_ref = out.detach() * probs[:, None]
+        assert _rel(a_re[:routed], a_ref[:routed]) < 2e-2
 
 
 def test_tma_rows_copies_a_contiguous_tensor_at_a_misaligned_address():
