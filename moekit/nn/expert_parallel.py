@@ -133,11 +133,19 @@ class CapacityExchange:
         return out.index_select(0, self.slot.clamp_max(out.shape[0] - 1))
 
 
-def check_same_tokens(num_tokens: int, device: torch.device, group: dist.ProcessGroup) -> None:
-    """Raise unless every rank of ``group`` passes ``num_tokens`` (one host sync; the capacity
-    exchange's static sizes need equal token counts)."""
+def check_same_tokens(
+    num_tokens: int, device: torch.device, group: dist.ProcessGroup, *, on_host: bool = True
+) -> None:
+    """Check that every rank of ``group`` passes ``num_tokens`` (the capacity exchange's static
+    sizes need equal token counts): one all-reduce. ``on_host`` reads its result (one host
+    sync) and raises ValueError; otherwise a device-side assert fails the next
+    synchronisation instead (no host sync). Ranks must call it on the same calls, in either
+    mode, for the collectives to match."""
     t = torch.tensor([num_tokens, -num_tokens], device=device, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    if not on_host:
+        torch._assert_async(t[0] == -t[1], "MoELayer: token counts differ across ep_group ranks")
+        return
     lo, hi = -int(t[1]), int(t[0])
     if lo != hi:
         raise ValueError(

@@ -2,11 +2,12 @@
 
 router (logits GEMM + fused top-k) → permute → fused grouped expert MLP (probs applied inside
 the activation) → unpermute (+ an optional dense shared expert), with the router's losses
-attached to the output so that they train the router without the caller adding them.
+attached to the routing probs so that they train the router without the caller adding them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -79,11 +80,17 @@ class MoELayer(nn.Module):
             their experts' ranks by all-to-all. Dropless, this takes one host sync per call
             (the split sizes); with ``capacity_factor`` every size is static: no host sync,
             CUDA-graph capturable, and every rank must pass the same number of tokens
-            (checked once per token count). The router is replicated: keep its weights equal
-            across ranks. No ``align`` with ``ep_group`` for now.
+            (checked by a small all-reduce each call: a ValueError on a token count's first
+            call, a device-side assert on later ones). The router is replicated: keep its
+            weights equal across ranks. No ``align`` with ``ep_group`` for now.
 
-    After a forward, ``last_counts [E]`` holds the tokens routed to each expert (on the
-    device), e.g. for ``router.update_expert_bias(layer.last_counts)``, and ``last_aux_loss`` /
+    The aux and z losses enter the backward by themselves, with gradient
+    :attr:`aux_loss_grad_scale` (default 1.0: set it to your loss's scale factor, e.g. 1/N for
+    N accumulated micro-batches).
+
+    After a forward, ``last_counts [E]`` holds the tokens this rank routed to each expert (on
+    the device), e.g. for ``router.update_expert_bias(counts)`` once summed over the ranks that
+    share the router (``torch.distributed.all_reduce``), and ``last_aux_loss`` /
     ``last_z_loss`` the losses it added to the backward (detached scalars on the device, already
     times their coefficients; None when off), for logging: reading one with ``.item()`` is the
     caller's host sync, not the layer's.
@@ -142,6 +149,16 @@ class MoELayer(nn.Module):
         self.last_z_loss: torch.Tensor | None = None
         self._checked_token_counts: set[int] = set()
 
+    @property
+    def aux_loss_grad_scale(self) -> float | torch.Tensor:
+        """The router's :attr:`~moekit.nn.TopKRouter.aux_loss_grad_scale`: the gradient the aux
+        and z losses enter the backward with."""
+        return self.router.aux_loss_grad_scale
+
+    @aux_loss_grad_scale.setter
+    def aux_loss_grad_scale(self, value: float | torch.Tensor) -> None:
+        self.router.aux_loss_grad_scale = value
+
     def _expert_parallel(self, tokens: torch.Tensor, r: RouterOutput) -> torch.Tensor:
         """The routed experts over ``ep_group``: rows travel to their experts' ranks and back."""
         d = permute(
@@ -151,9 +168,13 @@ class MoELayer(nn.Module):
         if self.capacity_factor is None:
             ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
         else:
-            if tokens.shape[0] not in self._checked_token_counts:
-                check_same_tokens(tokens.shape[0], tokens.device, self.ep_group)
-                self._checked_token_counts.add(tokens.shape[0])
+            # Every call takes part in the check's collective, so that a rank whose count is
+            # new meets its peers there even when theirs are not: a count's first call reads
+            # the result (a clear error), later ones assert on the device (no host sync).
+            T = tokens.shape[0]
+            first = T not in self._checked_token_counts
+            check_same_tokens(T, tokens.device, self.ep_group, on_host=first)
+            self._checked_token_counts.add(T)
             capacity = d.num_rows // self.num_experts
             ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
         local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
@@ -168,8 +189,18 @@ class MoELayer(nn.Module):
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
         tokens = x.reshape(-1, H)
+        if tokens.stride(-1) != 1:  # e.g. a transposed [T, H] view: permute reads unit-stride rows
+            tokens = tokens.contiguous()
         r = self.router(tokens)
         self.last_counts = r.counts
+        self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()
+        self.last_z_loss = None if r.z_loss is None else r.z_loss.detach()
+        losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
+        if losses:
+            # On the probs, which every routed row's output depends on, rather than on the
+            # returned tensor: the caller may then add a residual to that in place.
+            probs = attach_loss(r.probs, sum(losses), self.router.aux_loss_grad_scale)
+            r = dataclasses.replace(r, probs=probs)
         if self.ep_group is None:
             y = routed_experts(
                 tokens, r, self.experts, num_experts=self.num_experts, align=self.align,
@@ -179,9 +210,4 @@ class MoELayer(nn.Module):
             y = self._expert_parallel(tokens, r)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens)
-        self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()
-        self.last_z_loss = None if r.z_loss is None else r.z_loss.detach()
-        losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
-        if losses:
-            y = attach_loss(y, sum(losses))
         return y.view(x.shape)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moekit.ops.router import route
-from moekit.ops.router_losses import load_balancing_loss, router_z_loss
+from moekit.ops.router_losses import check_grad_scale, load_balancing_loss, router_z_loss
 
 __all__ = ["RouterOutput", "TopKRouter"]
 
@@ -58,8 +59,8 @@ class TopKRouter(nn.Module):
         if k > num_experts:
             raise ValueError(f"k must be at most num_experts = {num_experts}, got {k}")
         for name, v in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
-            if not isinstance(v, (int, float)) or v < 0:
-                raise ValueError(f"{name} must be a float >= 0, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
         self.num_experts, self.k = num_experts, k
         self.route_kwargs = dict(
             score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
@@ -76,8 +77,34 @@ class TopKRouter(nn.Module):
             )
         else:
             self.expert_bias = None
+        self._aux_loss_grad_scale: float | torch.Tensor = 1.0
         # the op's own checks (k, score, groups, ...) at construction, on one CPU token
         route(torch.zeros(1, num_experts), k, **self.route_kwargs)
+
+    @property
+    def aux_loss_grad_scale(self) -> float | torch.Tensor:
+        """The gradient with which the layer that applies this router's losses (``MoELayer``,
+        the fusion ``Router`` op) enters them into the backward; default 1.0. Set it to the
+        factor the training loss is multiplied by before its backward, so that the losses keep
+        their coefficients' weight: ``1 / N`` when the loss is divided over N accumulated
+        micro-batches, or a loss scaler's scale (a float, or a one-element tensor read when the
+        backward runs)."""
+        return self._aux_loss_grad_scale
+
+    @aux_loss_grad_scale.setter
+    def aux_loss_grad_scale(self, value: float | torch.Tensor) -> None:
+        self._aux_loss_grad_scale = check_grad_scale("aux_loss_grad_scale", value)
+
+    def _apply(self, fn, recurse=True):
+        # Module casts (.to(bf16), .half()) would round expert_bias, whose small per-step
+        # updates need fp32: it follows the device only.
+        bias = self._buffers.get("expert_bias")
+        super()._apply(fn, recurse)
+        if bias is not None:
+            moved = self._buffers["expert_bias"]
+            if moved.dtype != torch.float32:
+                self._buffers["expert_bias"] = bias.to(device=moved.device)
+        return self
 
     def forward(self, x: torch.Tensor) -> RouterOutput:
         """x [T, H] → the routing of its T tokens."""
@@ -103,7 +130,9 @@ class TopKRouter(nn.Module):
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing: raise the bias of experts that got fewer tokens than the
-        mean of ``counts [E]`` and lower it for those that got more, by ``rate`` each."""
+        mean of ``counts [E]`` and lower it for those that got more, by ``rate`` each. With
+        data or expert parallelism, pass the counts summed over the ranks that share this
+        router, so that the replicated bias moves the same way on each."""
         if self.expert_bias is None:
             raise RuntimeError("update_expert_bias needs TopKRouter(..., expert_bias=True)")
         c = counts.to(self.expert_bias.device, torch.float32)

@@ -220,8 +220,9 @@ def topk_routing(
     the experts form that many contiguous groups, a group's score is the sum of its two highest
     selection scores, and only the ``topk_groups`` best groups are eligible. ``probs`` are ``s``
     at the selected experts, divided by their sum with ``normalize`` (sigmoid: sum + 1e-20),
-    times ``scaling``. Ties go to the lower expert id. NaN logits give NaN probs for that
-    token, with in-range, distinct indices (a NaN score ranks lowest).
+    times ``scaling``. Ties go to the lower expert id. NaN logits still give in-range,
+    distinct indices (a NaN score ranks lowest); with softmax the token's probs are all NaN,
+    with sigmoid only a selected NaN expert's prob is (and, with ``normalize``, the token's).
 
     Args:
         logits: [T, E], E ≤ 2048; gradients flow back to it through ``probs``.

@@ -3,6 +3,8 @@ sync: the expert counts are a device scatter, never read back)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moekit.ops.validation import FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_ndim, check_tensor
@@ -15,7 +17,7 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-__all__ = ["attach_loss", "load_balancing_loss", "router_z_loss"]
+__all__ = ["attach_loss", "check_grad_scale", "load_balancing_loss", "router_z_loss"]
 
 
 def load_balancing_loss(
@@ -61,21 +63,50 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:  # scalar, fp32 (fp64 f
 
 class _AttachLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, output, loss):
+    def forward(ctx, output, loss, grad_scale):
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        ctx.grad_scale = grad_scale  # a tensor is read at backward time (e.g. a loss scaler's)
         return output.view_as(output)
 
     @staticmethod
     def backward(ctx, grad_output):
         shape, dtype, device = ctx.loss_meta
-        return grad_output, torch.ones(shape, dtype=dtype, device=device)
+        scale = ctx.grad_scale
+        if isinstance(scale, torch.Tensor):
+            grad_loss = scale.to(device=device, dtype=dtype).expand(shape).clone()
+        else:
+            grad_loss = torch.full(shape, scale, dtype=dtype, device=device)
+        return grad_output, grad_loss, None
 
 
-def attach_loss(output: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-    """``output`` unchanged, with ``loss`` riding along in autograd: a backward through the
-    returned tensor also back-propagates ``loss`` (with gradient 1), so an auxiliary loss
-    trains its parameters without the caller adding it to the objective (the way Megatron's
-    MoE layers apply theirs). Returns ``output`` itself when ``loss`` needs no gradient."""
+def check_grad_scale(name: str, grad_scale: object) -> float | torch.Tensor:
+    """``grad_scale`` as :func:`attach_loss` takes it: a finite float >= 0, or a one-element
+    floating-point tensor (read when the backward runs, never on the host)."""
+    if isinstance(grad_scale, torch.Tensor):
+        if grad_scale.numel() != 1 or not grad_scale.is_floating_point():
+            raise TypeError(
+                f"{name} must be a float or a one-element floating-point tensor, got a "
+                f"{grad_scale.dtype} tensor of shape {tuple(grad_scale.shape)}"
+            )
+        return grad_scale.reshape(())
+    if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)):
+        raise TypeError(f"{name} must be a float or a tensor, got {type(grad_scale).__name__}")
+    if not math.isfinite(grad_scale) or grad_scale < 0:
+        raise ValueError(f"{name} must be a finite float >= 0, got {grad_scale!r}")
+    return float(grad_scale)
+
+
+def attach_loss(
+    output: torch.Tensor, loss: torch.Tensor, grad_scale: float | torch.Tensor = 1.0
+) -> torch.Tensor:
+    """``output`` unchanged (a view of it), with ``loss`` riding along in autograd: a backward
+    through the returned tensor also back-propagates ``loss`` with gradient ``grad_scale``, so
+    an auxiliary loss trains its parameters without the caller adding it to the objective (the
+    way Megatron's MoE layers apply theirs). ``grad_scale`` is the factor the caller's own loss
+    gets before its backward (1/N when accumulating N micro-batches, a loss scaler's scale), so
+    that the auxiliary loss keeps its weight; a tensor is read when the backward runs. The
+    returned view must not be modified in place: attach the loss to a tensor that is consumed,
+    not returned. Returns ``output`` itself when ``loss`` needs no gradient."""
     if not (torch.is_grad_enabled() and loss.requires_grad):
         return output
-    return _AttachLoss.apply(output, loss)
+    return _AttachLoss.apply(output, loss, check_grad_scale("grad_scale", grad_scale))

@@ -73,6 +73,65 @@ def test_router_losses_train_the_router_without_being_added():
     assert plain.last_z_loss is None
 
 
+def test_aux_loss_grad_scale_scales_the_losses_gradient():
+    torch.manual_seed(2)
+    layer = MoELayer(16, 8, 4, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = torch.randn(10, 16)
+    layer(x).sum().backward()
+    unscaled = layer.router.weight.grad.clone()
+    # the training loss multiplied by s before backward: with the scale set alike, every
+    # gradient is s times the unscaled one, the losses' included
+    for s in (0.25, torch.tensor(8.0)):
+        layer.zero_grad()
+        layer.aux_loss_grad_scale = s
+        (layer(x).sum() * s).backward()
+        torch.testing.assert_close(layer.router.weight.grad, unscaled * s)
+    layer.zero_grad()
+    layer.aux_loss_grad_scale = 0.0  # the losses off in the backward, the objective's gradient on
+    layer(x).sum().backward()
+    plain = MoELayer(16, 8, 4, 2)
+    plain.load_state_dict(layer.state_dict())
+    plain(x).sum().backward()
+    torch.testing.assert_close(layer.router.weight.grad, plain.router.weight.grad)
+    for bad, err in ((-1.0, ValueError), (float("nan"), ValueError), (torch.ones(2), TypeError),
+                     ("1", TypeError)):  # fmt: skip
+        with pytest.raises(err, match="aux_loss_grad_scale"):
+            layer.aux_loss_grad_scale = bad
+
+
+def test_output_takes_an_in_place_residual_with_losses_on():
+    torch.manual_seed(3)
+    layer = MoELayer(16, 8, 4, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    x = torch.randn(10, 16, requires_grad=True)
+    y = layer(x)
+    y += x
+    y.sum().backward()
+    want = layer.router.weight.grad.clone()
+    layer.zero_grad()
+    (layer(x) + x).sum().backward()
+    torch.testing.assert_close(layer.router.weight.grad, want)
+
+
+def test_non_contiguous_input():
+    torch.manual_seed(4)
+    layer = MoELayer(16, 8, 4, 2)
+    for x in (torch.randn(16, 6).t(), torch.randn(6, 32)[:, ::2]):
+        torch.testing.assert_close(layer(x), layer(x.contiguous()))
+
+
+def test_expert_bias_stays_fp32_through_module_casts():
+    layer = MoELayer(16, 8, 4, 2, expert_bias=True)
+    layer.router.update_expert_bias(torch.tensor([10, 0, 5, 5]), rate=1e-3)
+    before = layer.router.expert_bias.clone()
+    layer.to(torch.bfloat16)
+    assert layer.router.weight.dtype == torch.bfloat16
+    assert layer.router.expert_bias.dtype == torch.float32
+    assert torch.equal(layer.router.expert_bias, before)  # not rounded through bf16
+    assert layer(torch.randn(5, 16, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    layer.half()
+    assert layer.router.expert_bias.dtype == torch.float32
+
+
 def test_names_of_the_layers_parts():
     layer = MoELayer(16, 8, 4, 2, shared_expert_ffn_size=12)
     assert isinstance(layer.router, TopKRouter)
@@ -97,6 +156,9 @@ def test_bad_input():
         MoELayer(16, 8, 4, 5)
     with pytest.raises(ValueError, match="num_groups must divide"):
         MoELayer(16, 8, 6, 2, num_groups=4, topk_groups=1)
+    for name in ("aux_loss_coeff", "z_loss_coeff"):
+        with pytest.raises(ValueError, match=name):
+            MoELayer(16, 8, 4, 2, **{name: float("nan")})
 
 
 DSV3_LIKE = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)

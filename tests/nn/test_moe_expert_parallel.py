@@ -63,6 +63,11 @@ def _worker(rank: int, world: int, port: int, capacity_factor) -> None:
         if capacity_factor is not None:  # unequal token counts: every rank gets a clear error
             with pytest.raises(ValueError, match="same number of tokens on every rank"):
                 ep(torch.randn(T + 1 + rank, H))
+            # A count already checked on rank 0 meets new counts elsewhere: every rank takes
+            # part in the same check (no hang); rank 0's is the device-side assert.
+            n, err = (T, RuntimeError) if rank == 0 else (T + 5, ValueError)
+            with pytest.raises(err, match=r"token counts differ|same number of tokens"):
+                ep(torch.randn(n, H))
         finish_worker()
     finally:
         dist.destroy_process_group()

@@ -100,6 +100,17 @@ def test_nan_logits_give_nan_probs_and_in_range_distinct_indices():
     assert torch.equal(idx, ref_i)
 
 
+def test_nan_logit_under_sigmoid_is_ranked_last():
+    logits = torch.randn(2, 4)
+    logits[1, 2] = float("nan")
+    probs, idx = topk_routing(logits, 2, score="sigmoid")
+    assert 2 not in idx[1].tolist() and torch.isfinite(probs).all()  # not selected: unseen
+    probs, idx = topk_routing(logits, 4, score="sigmoid", normalize=False)
+    assert idx[1, 3] == 2 and torch.isnan(probs[1, 3]) and torch.isfinite(probs[1, :3]).all()
+    probs, _ = topk_routing(logits, 4, score="sigmoid")
+    assert torch.isnan(probs[1]).all() and torch.isfinite(probs[0]).all()
+
+
 def test_empty_batch():
     logits = torch.randn(0, 8, requires_grad=True)
     probs, idx, counts = route(logits, 2)

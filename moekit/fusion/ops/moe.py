@@ -26,8 +26,8 @@ class Router(BasicOp, TopKRouter):
     """A :class:`moekit.nn.TopKRouter` as a basic op (same arguments and parameters): the
     main tensor ``x [T, H]`` passes through unchanged; it makes ``routing_probs`` and
     ``routing_indices`` ``[T, k]``. Its aux and z losses (when on) ride on the main output's
-    gradient, as in :class:`moekit.nn.MoELayer`. ``last_counts [E]``: the last call's tokens
-    per expert. Context: ``graph``."""
+    gradient, scaled by ``aux_loss_grad_scale``, as in :class:`moekit.nn.MoELayer`.
+    ``last_counts [E]``: the last call's tokens per expert. Context: ``graph``."""
 
     extra_outputs = ("routing_probs", "routing_indices")
 
@@ -43,7 +43,7 @@ class Router(BasicOp, TopKRouter):
         y = x.view_as(x)
         losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
         if losses:
-            y = attach_loss(y, sum(losses))
+            y = attach_loss(y, sum(losses), self.aux_loss_grad_scale)
         return y, r.probs, r.indices
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
