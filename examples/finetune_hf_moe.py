@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         if (step + 1) % 50 == 0 or step + 1 == args.steps:
             rate = (step + 1) * args.batch * args.seq / (time.perf_counter() - t0)
             print(f"step {step + 1}/{args.steps}  loss {loss.item():.3f}  {rate:,.0f} tok/s")
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    n = min(10, len(losses))  # the first and last n steps' mean loss
+    first, last = sum(losses[:n]) / n, sum(losses[-n:]) / n
     print(f"{args.family} with experts_implementation={args.experts!r} on {device}: "
           f"loss {first:.3f} -> {last:.3f} nats/byte")  # fmt: skip
     return losses

@@ -78,11 +78,25 @@ def _activation_table() -> dict[type, str | None]:
     return table
 
 
+# Experts whose act_fn is a plain function rather than a module (e.g. Lfm2-MoE's F.silu).
+_ACTIVATION_FUNCTIONS = {
+    torch.nn.functional.silu: "swiglu",
+    torch.nn.functional.gelu: "geglu",  # exact GELU unless called with approximate="tanh"
+}
+
+
 def _activation(experts: torch.nn.Module) -> str | None:
     act_fn = getattr(experts, "act_fn", None)
     if isinstance(act_fn, torch.nn.GELU):
         return "geglu" if act_fn.approximate == "none" else None
+    for fn, name in _ACTIVATION_FUNCTIONS.items():
+        if act_fn is fn:
+            return name
     return ACTIVATION_TYPES.get(type(act_fn))
+
+
+def _activation_name(act_fn: object) -> str:
+    return getattr(act_fn, "__name__", None) or type(act_fn).__name__
 
 
 def _experts_module():
@@ -122,21 +136,41 @@ def unsupported(experts: torch.nn.Module) -> str | None:
     if getattr(type(experts), "_apply_gate", default_gate) is not default_gate:
         return f"a custom gate ({type(experts).__name__}._apply_gate)"
     if _activation(experts) is None:
-        act = type(getattr(experts, "act_fn", None)).__name__
+        act = _activation_name(getattr(experts, "act_fn", None))
         return f"an activation moekit does not run ({act}; it runs SiLU and exact GELU gates)"
     w1, w2 = experts.gate_up_proj, experts.down_proj
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != 2 * w2.shape[2]:
         return f"weights of shapes {tuple(w1.shape)} and {tuple(w2.shape)}"
+    if not _rows_aligned(w1):
+        return f"a hidden size ({w1.shape[2]}) whose {w1.dtype} rows are not 16-byte multiples"
     return None
 
 
+def _rows_aligned(w1: torch.Tensor) -> bool:
+    # moekit's kernels and torch._grouped_mm (transformers' grouped_mm backend) both need it
+    return (w1.shape[-1] * w1.element_size()) % 16 == 0
+
+
 @functools.cache
-def _warn_fallback(cls_name: str, reason: str) -> None:
+def _warn_fallback(cls_name: str, reason: str, backend: str) -> None:
     warnings.warn(
-        f"moekit experts backend: {cls_name} has {reason}; it runs transformers' grouped_mm "
-        f"backend instead",
+        f"moekit experts backend: {cls_name} has {reason}; it runs transformers' {backend} "
+        f"experts instead",
         stacklevel=3,
     )
+
+
+def _fallback(self, hidden_states, top_k_index, top_k_weights, reason: str) -> torch.Tensor:
+    """transformers' grouped_mm experts, or its eager ones (the class's own forward) where
+    grouped_mm cannot run either."""
+    name = type(self).__name__
+    eager = getattr(type(self).forward, "__wrapped__", None)
+    w1 = getattr(self, "gate_up_proj", None)
+    if eager is not None and isinstance(w1, torch.Tensor) and not _rows_aligned(w1):
+        _warn_fallback(name, reason, "eager")
+        return eager(self, hidden_states, top_k_index, top_k_weights)
+    _warn_fallback(name, reason, "grouped_mm")
+    return _MOE.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def moekit_experts_forward(
@@ -148,8 +182,7 @@ def moekit_experts_forward(
     """The experts module's forward through moekit (the signature transformers calls)."""
     reason = unsupported(self)
     if reason is not None:
-        _warn_fallback(type(self).__name__, reason)
-        return _MOE.grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
     w1, w2 = self.gate_up_proj, self.down_proj
     x = hidden_states.to(w1.dtype)  # autocast may hand fp32 activations to bf16 weights
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
@@ -174,7 +207,9 @@ GROUPED_SIGMOID_ROUTERS = ("DeepseekV3TopkRouter",)
 def _softmax_router_forward(self, hidden_states):
     hidden_states = hidden_states.reshape(-1, self.weight.shape[1])
     logits = torch.nn.functional.linear(hidden_states, self.weight)
-    probs, idx = topk_routing(logits, self.top_k, normalize=getattr(self, "norm_topk_prob", True))
+    # the models test `if self.norm_topk_prob:` (configs may hold None)
+    normalize = bool(getattr(self, "norm_topk_prob", True))
+    probs, idx = topk_routing(logits, self.top_k, normalize=normalize)
     if SOFTMAX_ROUTERS[type(self).__name__]:
         probs = probs.to(logits.dtype)
     return logits, probs, idx.long()
@@ -185,7 +220,8 @@ def _grouped_sigmoid_router_forward(self, hidden_states):
     logits = torch.nn.functional.linear(hidden_states.float(), self.weight.float())
     probs, idx = topk_routing(
         logits, self.top_k, score="sigmoid", expert_bias=self.e_score_correction_bias.float(),
-        num_groups=self.num_group, topk_groups=self.topk_group, normalize=self.norm_topk_prob,
+        num_groups=self.num_group, topk_groups=self.topk_group,
+        normalize=bool(self.norm_topk_prob),
         scaling=float(self.routed_scaling_factor),
     )  # fmt: skip
     return logits, probs, idx.long()

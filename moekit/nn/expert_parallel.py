@@ -141,7 +141,10 @@ def check_same_tokens(
     sync) and raises ValueError; otherwise a device-side assert fails the next
     synchronisation instead (no host sync). Ranks must call it on the same calls, in either
     mode, for the collectives to match."""
-    t = torch.tensor([num_tokens, -num_tokens], device=device, dtype=torch.int64)
+    # [T, -T] built by fills on the device: a host list would be a copy that synchronises
+    # (and cannot be captured in a CUDA graph)
+    t = torch.full((2,), num_tokens, device=device, dtype=torch.int64)
+    t[1:].neg_()
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if not on_host:
         torch._assert_async(t[0] == -t[1], "MoELayer: token counts differ across ep_group ranks")

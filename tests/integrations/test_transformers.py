@@ -39,6 +39,10 @@ def tiny_model(family: str, impl: str, dtype=torch.float32, device="cpu"):
     model = transformers.AutoModelForCausalLM.from_config(
         config, experts_implementation=impl, dtype=dtype
     )
+    with torch.no_grad():  # a non-zero selection bias (DeepSeek-V3), so that it matters
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=torch.Generator().manual_seed(1)))
     return model.to(device)
 
 
@@ -79,6 +83,8 @@ def test_moekit_router_matches_the_models_router(family, monkeypatch):
     got = loss_and_grads(model, ids)
     assert len(calls) == COMMON["num_hidden_layers"]
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -108,16 +114,68 @@ def test_generation_matches_eager():
     assert torch.equal(out["moekit"], out["eager"])
 
 
-def test_gradient_checkpointing():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing(reentrant):
+    """Checkpointed moekit against checkpointed eager (re-entrant checkpointing changes
+    transformers' own gradients of the aux loss, so each is compared with its own kind)."""
     ids = torch.randint(0, COMMON["vocab_size"], (2, 9))
-    model = tiny_model("mixtral", "moekit")
-    want = loss_and_grads(model, ids)
-    model.gradient_checkpointing_enable()
-    model.train()
-    got = loss_and_grads(model, ids)
-    torch.testing.assert_close(got[1], want[1])
+    results = {}
+    for impl in ("eager", "moekit"):
+        model = tiny_model("mixtral", impl)
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        model.train()
+        results[impl] = loss_and_grads(model, ids)
+    got, want = results["moekit"], results["eager"]
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
     for name in want[2]:
-        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_dense_first_layers_and_odd_sizes():
+    """DeepSeek-V3 with a dense first layer; experts whose act_fn is a plain function run
+    through moekit; a hidden size whose rows are not 16-byte multiples falls back."""
+    torch.manual_seed(0)
+    cfg = dict(FAMILIES["deepseek_v3"], first_k_dense_replace=1, num_hidden_layers=3)
+    config = transformers.AutoConfig.for_model("deepseek_v3", **dict(COMMON, **cfg))
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7))
+    want = loss_and_grads(model, ids)
+    model.set_experts_implementation("moekit")
+    assert hf.use_moekit_router(model) == 2
+    got = loss_and_grads(model, ids)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+    experts = tiny_model("qwen3_moe", "moekit").model.layers[0].mlp.experts
+    del experts.act_fn  # a child module: a plain function takes its place as an attribute
+    experts.act_fn = torch.nn.functional.silu
+    assert hf.unsupported(experts) is None
+    experts.act_fn = torch.tanh
+    assert "(tanh;" in hf.unsupported(experts)
+    odd = dict(COMMON, hidden_size=30, num_attention_heads=1, num_key_value_heads=1)
+    config = transformers.AutoConfig.for_model("olmoe", **odd, **FAMILIES["olmoe"])
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="moekit")
+    assert "not 16-byte multiples" in hf.unsupported(model.model.layers[0].mlp.experts)
+    hf._warn_fallback.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model(input_ids=ids).logits
+    assert any("runs transformers' eager experts" in str(w.message) for w in caught)
+    model.set_experts_implementation("eager")
+    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_router_patch_reads_a_none_norm_topk_prob_as_false():
+    model = tiny_model("qwen3_moe", "moekit")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 6))
+    for module in model.modules():
+        if hasattr(module, "norm_topk_prob"):
+            module.norm_topk_prob = None
+    want = model(input_ids=ids).logits
+    hf.use_moekit_router(model)
+    torch.testing.assert_close(model(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
 
 
 def test_unsupported_experts_fall_back_with_a_warning():
@@ -132,7 +190,7 @@ def test_unsupported_experts_fall_back_with_a_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = model(input_ids=ids).logits
-    assert any("runs transformers' grouped_mm backend" in str(w.message) for w in caught)
+    assert any("runs transformers' grouped_mm experts" in str(w.message) for w in caught)
     model.set_experts_implementation("eager")
     torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
 
