@@ -46,6 +46,9 @@ class Activation:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.name!r}")
         if not (self.limit > 0 and math.isfinite(self.limit)):
             raise ValueError(f"activation limit must be positive and finite, got {self.limit}")
+        for name in ("alpha", "offset"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"activation {name} must be finite, got {getattr(self, name)}")
 
     @property
     def gated(self) -> bool:

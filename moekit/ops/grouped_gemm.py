@@ -359,7 +359,6 @@ def check_ragged_m_inputs(
 
 
 def _check_out(out: object, shape: tuple[int, ...], dtype: torch.dtype, a: torch.Tensor) -> None:
-    out = check_tensor("out", out)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != a.device:
         raise ValueError(
             f"out must be a {list(shape)} {dtype} tensor on {a.device}, got "
@@ -387,7 +386,12 @@ def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, valida
             f"out must be contiguous for the ragged-M form, got strides {out.stride()}"
         )
     _check_no_grad(a, b, bias)
-    ragged_m_out(a, b, offsets, bias, out)
+    if tma_ready(out):
+        ragged_m_out(a, b, offsets, bias, out)
+    else:  # the kernel's TMA store needs a 16-byte aligned base: write a fresh buffer, copy
+        fresh = aligned_copy(out) if out.numel() else out
+        ragged_m_out(a, b, offsets, bias, fresh)
+        out.copy_(fresh)
     return out
 
 
@@ -431,8 +435,9 @@ def grouped_mm(
         offsets: cumulative end offsets, any stride; ``offsets[-1]`` may be below the ragged
             size (rows past it are zero in ragged-M outputs). Never read on the host unless
             ``validate=True``.
-        out_dtype: output dtype, default ``a.dtype``; ``torch.float32`` is allowed with 16-bit
-            inputs in both forms (torch._grouped_mm refuses it for ragged K).
+        out_dtype: output dtype, default ``out.dtype`` with ``out``, else ``a.dtype``;
+            ``torch.float32`` is allowed with 16-bit inputs in both forms (torch._grouped_mm
+            refuses it for ragged K).
         out: write into this tensor instead of allocating (no autograd).
         accumulate: ragged K only, with ``out``: ``out += result`` in place (a Megatron-style
             fp32 ``main_grad``); experts with no columns leave ``out`` untouched.
@@ -445,7 +450,12 @@ def grouped_mm(
         [T, N] (ragged M) or [E, M, N] (ragged K); ``out`` itself when given.
     """
     key = None
-    if out is None and not validate and not torch.compiler.is_compiling():
+    if (
+        out is None
+        and validate is False
+        and accumulate is False
+        and not torch.compiler.is_compiling()
+    ):
         key = _plan_key(a, b, offsets, bias, out_dtype)
         plan = cache_get(key) if key is not None else None
         if plan is not None:
@@ -457,6 +467,11 @@ def grouped_mm(
         raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
     check_same_device("b", b, "a", a)
     check_interpretable("a", a)
+    if out is not None:
+        out = check_tensor("out", out)
+    for name, flag in (("accumulate", accumulate), ("validate", validate)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else a.dtype
     if out_dtype not in FLOAT_DTYPES:

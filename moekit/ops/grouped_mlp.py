@@ -643,7 +643,12 @@ def _check_interleave(glu_interleave: object, act: Activation, F_: int) -> None:
         return
     if not act.gated:
         raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
-    if not isinstance(glu_interleave, int) or glu_interleave <= 0 or F_ % glu_interleave:
+    if (
+        isinstance(glu_interleave, bool)
+        or not isinstance(glu_interleave, int)
+        or glu_interleave <= 0
+        or F_ % glu_interleave
+    ):
         raise ValueError(
             f"glu_interleave must be a positive integer dividing F = {F_}, got {glu_interleave!r}"
         )

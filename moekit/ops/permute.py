@@ -387,8 +387,8 @@ def _capacity(capacity_factor: object, out_rows: object, T: int, k: int, E: int,
         raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
         raise TypeError(f"capacity_factor must be a float, got {type(capacity_factor).__name__}")
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    if not 0 < capacity_factor < math.inf:
+        raise ValueError(f"capacity_factor must be a finite float > 0, got {capacity_factor}")
     capacity = math.ceil(capacity_factor * T * k / E)
     return -(-capacity // a) * a
 
@@ -525,13 +525,22 @@ def sort_chunks_by_index(
     split_sizes: torch.Tensor,  # [C] int, device: rows of each chunk (Σ ≤ N)
     sorted_index: torch.Tensor,  # [C] int, device: output chunk j is input chunk sorted_index[j]
     probs: torch.Tensor | None = None,  # [N] float, reordered alongside
+    *,
+    validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reorder row chunks, e.g. from ``[rank][expert]`` to ``[expert][rank]`` after an
     expert-parallel all-to-all, with sizes that stay on the device.
 
     Rows past ``split_sizes.sum()`` keep their place. Returns ``(x_sorted [N, H],
     probs_sorted [N] or None)``; differentiable w.r.t. x and probs. No host sync.
+
+    ``split_sizes`` must be non-negative with a sum ≤ N, and ``sorted_index`` a permutation of
+    ``range(C)``; otherwise the result is undefined (rows lost or repeated) unless ``validate``
+    checks them (on CUDA a device-side assert at the next synchronisation, never forcing one;
+    on CPU a ValueError now).
     """
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
     x = _check_hidden("x", x)
     N = x.shape[0]
     split_sizes = check_tensor("split_sizes", split_sizes)
@@ -550,6 +559,20 @@ def sort_chunks_by_index(
         check_dtype("probs", probs, FLOAT_DTYPES)
         check_same_device("probs", probs, "x", x)
         probs = probs.contiguous().view(N, 1)
+    if validate:
+        C = split_sizes.shape[0]
+        sizes, index = split_sizes.long(), sorted_index.long()
+        _assert_on_device(
+            (sizes >= 0).all() & (sizes.sum() <= N),
+            f"split_sizes must be >= 0 with a sum <= x.shape[0] = {N}",
+        )
+        in_range = (index >= 0) & (index < C)
+        _assert_on_device(
+            in_range.all(), f"sorted_index must hold chunk ids in [0, {C})", index[~in_range]
+        )
+        hits = torch.zeros(C, dtype=torch.long, device=index.device)
+        hits.index_add_(0, index.clamp(0, max(C - 1, 0)), torch.ones_like(index))
+        _assert_on_device((hits == 1).all(), "sorted_index must be a permutation of range(C)")
     row_map = sort_chunks_row_map(split_sizes, sorted_index, N).view(N, 1)
     # A permutation of all N rows: no padding, no tail (tail_lo = N), so no offsets.
     out, out_probs = _apply_permute(x, probs, row_map, None, None, N, 1, N)

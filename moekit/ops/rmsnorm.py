@@ -46,6 +46,10 @@ def validate_norm_inputs(
     if x.dim() < 1:
         raise ValueError(f"x must have at least 1 dim [..., H], got shape {tuple(x.shape)}")
     H = x.shape[-1]
+    if H == 0:
+        raise ValueError(
+            f"x must have a hidden size H = x.shape[-1] >= 1, got shape {tuple(x.shape)}"
+        )
     x_dtype = str(x.dtype).replace("torch.", "")
     if residual is None and residual_required:
         raise TypeError("residual must be a torch.Tensor, got None")
@@ -65,7 +69,8 @@ def validate_norm_inputs(
         weight = check_tensor("weight", weight)
         if weight.dtype not in (x.dtype, torch.float32):
             got = str(weight.dtype).replace("torch.", "")
-            raise TypeError(f"weight must have x's dtype {x_dtype} or float32, got {got}")
+            allowed = x_dtype if x.dtype == torch.float32 else f"{x_dtype} or float32"
+            raise TypeError(f"weight must have x's dtype ({allowed}), got {got}")
         if weight.shape != (H,):
             raise ValueError(f"weight must have shape (H,) = ({H},), got {tuple(weight.shape)}")
         check_same_device("weight", weight, "x", x)

@@ -223,6 +223,8 @@ def sort_chunks_row_map(
 def slot_values(row_vals: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor:
     """``[T, k] = row_vals[row_index]``, 0 for dropped slots: a row's value back at the slot it
     came from. Like the kernels, any row outside ``[0, R)`` counts as dropped."""
+    if row_vals.shape[0] == 0:  # no rows: every slot dropped
+        return row_vals.new_zeros(row_index.shape)
     keep = (row_index >= 0) & (row_index < row_vals.shape[0])
     vals = row_vals[torch.where(keep, row_index, 0).long()]
     return torch.where(keep, vals, torch.zeros_like(vals))

@@ -61,6 +61,8 @@ def gather_rows_torch(
     """Twin of the gather kernel: ``out[t] = Σ_s src[r_s] · row_weight[r_s]`` over the slots
     with ``r_s`` in ``[0, R)``, accumulated in fp32 and returned in src's dtype ([T, H])."""
     R = src.shape[0]
+    if R == 0:  # every slot dropped (nothing to index, even row 0)
+        return src.new_zeros(row_index.shape[0], src.shape[1])
     rows = row_index.long()
     keep = (rows >= 0) & (rows < R)
     safe = torch.where(keep, rows, 0)

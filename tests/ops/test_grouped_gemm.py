@@ -234,6 +234,31 @@ def test_argument_combinations_rejected():
         grouped_mm(a, b, offsets, out=torch.empty(15, 8, dtype=torch.float16))
     with pytest.raises(TypeError, match="out_dtype"):
         grouped_mm(a, b, offsets, out_dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"out must be a torch\.Tensor"):
+        grouped_mm(a, b, offsets, out=3)
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        grouped_mm(a, b, offsets, validate="no")
+    with pytest.raises(TypeError, match="accumulate must be a bool"):
+        grouped_mm(a.t(), a, offsets, out=torch.zeros(2, 8, 8), accumulate=1)
+    grouped_mm(a, b, offsets)  # a cached plan must not skip the checks of later calls
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        grouped_mm(a, b, offsets, accumulate=True)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ragged_m_out_at_a_misaligned_address(device):
+    """A contiguous out that starts 4 bytes past a 16-byte boundary (the kernel's TMA store
+    needs an aligned base): written correctly, not a crash."""
+    T, E, K, N = 40, 3, 32, 16
+    dtype = torch.float16 if device == "cpu" else torch.bfloat16
+    offsets = offsets_from_counts([10, 0, 25], device)
+    a = torch.randn(T, K, device=device).to(dtype)
+    b = torch.randn(E, K, N, device=device).to(dtype)
+    buf = torch.full((T * N + 2,), float("nan"), device=device, dtype=dtype)
+    out = buf[2:].view(T, N)
+    assert out.data_ptr() % 16 != 0
+    assert grouped_mm(a, b, offsets, out=out) is out
+    torch.testing.assert_close(out, grouped_mm(a, b, offsets))
 
 
 # --------------------------------------------------------------------------------------------

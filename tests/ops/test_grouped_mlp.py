@@ -308,8 +308,12 @@ def test_bad_input_errors():
         grouped_mlp(x, off, w1[:, :15], w2, p)
     with pytest.raises(ValueError, match=r"must equal F = w2.shape\[2\] = 8"):
         grouped_mlp(x, off, w1, w2, p, activation="relu2")
-    with pytest.raises(ValueError, match="glu_interleave must be a positive integer dividing F"):
-        grouped_mlp(x, off, w1, w2, p, glu_interleave=3)
+    for bad in (3, True):
+        with pytest.raises(ValueError, match="glu_interleave must be a positive integer"):
+            grouped_mlp(x, off, w1, w2, p, glu_interleave=bad)
+    for name in ("alpha", "offset"):
+        with pytest.raises(ValueError, match=f"activation {name} must be finite"):
+            Activation("clamped_swiglu", **{name: float("nan")})
     with pytest.raises(ValueError, match="gated"):
         grouped_mlp(x, off, w1[:, :8], w2, p, activation="gelu", glu_interleave=4)
     with pytest.raises(ValueError, match=r"probs must have shape \(10,\)"):

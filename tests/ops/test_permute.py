@@ -449,8 +449,9 @@ def test_bad_input_errors():
         permute(h, indices, probs, num_experts=0)
     with pytest.raises(ValueError, match="indices or routing_map"):
         permute(h, indices, probs, num_experts=E, routing_map=torch.ones(T, E, dtype=torch.bool))
-    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
-        permute(h, indices, probs, num_experts=E, capacity_factor=0.0)
+    for cf in (0.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="capacity_factor must be a finite float > 0"):
+            permute(h, indices, probs, num_experts=E, capacity_factor=cf)
     # Out-of-range and negative ids are caught with validate=True.
     for value in (E, -1):
         bad = indices.clone()
@@ -690,3 +691,37 @@ def test_rows_and_probs_gradients_in_separate_backward_passes():
     torch.testing.assert_close(gh, torch.full((T, H), float(k)))
     row = d.row_index.long()
     torch.testing.assert_close(gp, expert_out.detach()[row].sum(-1))
+
+
+def test_no_rows_at_all_drops_every_slot():
+    """out_rows=0 (allowed): unpermute gives zeros and zero gradients."""
+    T, E, k = 5, 3, 2
+    indices, probs = _routing(T, E, k)
+    h = torch.randn(T, 8, requires_grad=True)
+    probs = probs.clone().requires_grad_()
+    d = permute(h, indices, probs, num_experts=E, out_rows=0)
+    assert d.hidden.shape == (0, 8) and torch.all(d.row_index == -1)
+    y = unpermute(d.hidden * 2, d)
+    assert torch.equal(y, torch.zeros(T, 8))
+    y.sum().backward()
+    assert torch.equal(h.grad, torch.zeros_like(h))
+    assert torch.equal(probs.grad, torch.zeros_like(probs))
+
+
+def test_sort_chunks_by_index_validate():
+    x = torch.randn(10, 8)
+    bad = [
+        ([6, 6], [1, 0], "split_sizes must be >= 0 with a sum <="),
+        ([-1, 3], [1, 0], "split_sizes must be >= 0"),
+        ([3, 3], [0, 0], "sorted_index must be a permutation"),
+        ([3, 3], [1, 2], r"sorted_index must hold chunk ids in \[0, 2\)"),
+    ]
+    for sizes, index, match in bad:
+        with pytest.raises(ValueError, match=match):
+            sort_chunks_by_index(x, torch.tensor(sizes), torch.tensor(index), validate=True)
+    want, _ = sort_chunks_by_index(x, torch.tensor([3, 4]), torch.tensor([1, 0]))
+    got, _ = sort_chunks_by_index(x, torch.tensor([3, 4]), torch.tensor([1, 0]), validate=True)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:4], x[3:7]) and torch.equal(got[4:7], x[:3])
+    with pytest.raises(TypeError, match="validate must be a bool"):
+        sort_chunks_by_index(x, torch.tensor([3, 4]), torch.tensor([1, 0]), validate=1)

@@ -88,6 +88,10 @@ def test_bad_input():
         add_rmsnorm(x, r, w[:3])
     with pytest.raises(TypeError, match="x must have dtype"):
         add_rmsnorm(x.to(torch.int32), r, w)
+    with pytest.raises(ValueError, match="hidden size H"):
+        rmsnorm(torch.randn(4, 0), torch.randn(0))
+    with pytest.raises(TypeError, match=r"weight must have x's dtype \(float32\), got float64"):
+        add_rmsnorm(x, r, w.double())
     with pytest.raises(TypeError, match="residual must have x's dtype"):
         add_rmsnorm(x, r.double(), w)
     with pytest.raises(ValueError, match="residual must be on x's device"):
