@@ -40,7 +40,8 @@ class FusedLinearBias(mf.FusedOp):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         # into w.main_grad when the weight has one, as Linear's own backward does
         dw = accumulate_weight_grad(w, dy2.t() @ x2) if w.requires_grad else None
-        db = dy2.sum(0, dtype=torch.float32).to(b.dtype) if b.requires_grad else None
+        acc = torch.promote_types(dy2.dtype, torch.float32)  # fp32, or fp64 for fp64
+        db = dy2.sum(0, dtype=acc).to(b.dtype) if b.requires_grad else None
         return dx, {}, ((dw,), (db,))  # dx, extra-input grads, one tuple per op
 
 

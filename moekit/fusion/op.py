@@ -92,7 +92,7 @@ class FusedOp:
 
     - ``fuser_forward(ctxs, x, extras) -> (y, outputs)``: ``ctxs`` are the window's contexts
       (fill each as its op's forward would); ``outputs`` holds every extra the window's ops
-      make.
+      make (or None with ``makes_extras = False``).
     - ``fuser_backward(ctxs, dy, grads) -> (dx, input_grads, param_grads)``: ``input_grads``
       for the differentiable extras the window reads from outside it; ``param_grads`` one
       tuple per op of the window, as that op's ``op_backward`` would return.
@@ -105,6 +105,10 @@ class FusedOp:
     """
 
     autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
+    # False for a fused op whose ``outputs`` leave out the extras its window's ops make (they
+    # stay inside it): the planner then uses it only where no later op reads those extras and
+    # the chain does not return them, and records a decline otherwise.
+    makes_extras: bool = True
 
     def __init__(self, ops: Sequence[BasicOp]) -> None:
         self.ops = tuple(ops)

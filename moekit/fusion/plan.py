@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from moekit.fusion.op import BasicOp, FusedOp
+from moekit.fusion.op import BasicOp, Decline, FusedOp
 from moekit.fusion.registry import PASSES, active_settings, registered_rules, warn_forced
 
 __all__ = ["Declined", "Facts", "Plan", "Step", "make_plan"]
@@ -85,6 +85,19 @@ class Plan:
         return "\n".join(lines)
 
 
+def _extras_used_after(ops: Sequence[BasicOp], i: int, j: int) -> list[str]:
+    """Extras made by ``ops[i:j]`` that a later op reads or the chain returns (no op after
+    the maker reads them)."""
+    used = []
+    for k in range(i, j):
+        for name in ops[k].extra_outputs:
+            read_after = any(name in op.extra_inputs for op in ops[j:])
+            returned = not any(name in op.extra_inputs for op in ops[k + 1 :])
+            if read_after or returned:
+                used.append(name)
+    return used
+
+
 def _fuse(ops, lo, hi, pass_, rules, facts, settings, declined) -> list[Step]:
     disabled, forced = settings
     steps: list[Step] = []
@@ -98,6 +111,10 @@ def _fuse(ops, lo, hi, pass_, rules, facts, settings, declined) -> list[Step]:
                 declined.append(Declined(pass_, i, j, rule.name, "turned off"))
                 continue
             out = rule.fn(ops[i:j], facts)
+            if isinstance(out, FusedOp) and not out.makes_extras:
+                used = _extras_used_after(ops, i, j)
+                if used:
+                    out = Decline(f"{', '.join(used)} made in the window are used after it")
             if isinstance(out, FusedOp):
                 steps.append(Step(i, j, rule.name, out))
                 i = j

@@ -123,15 +123,35 @@ def _parse(spec: str) -> tuple[set[str], set[str]]:
             raise ValueError(
                 f"MOEKIT_FUSIONS entries must look like '-name' or '+name', got {item!r}"
             )
+        if sign == "+" and name == "all":
+            raise ValueError("MOEKIT_FUSIONS: '+all' forces nothing; name the rules to force")
         (disabled if sign == "-" else forced).add(name)
     return disabled, forced
 
 
+def _names(arg: str, value: object) -> frozenset[str]:
+    if isinstance(value, str):  # one name, not its letters
+        return frozenset((value,))
+    try:
+        names = frozenset(value)
+    except TypeError:
+        raise TypeError(f"{arg} must be a rule name or names, got {type(value).__name__}") from None
+    for n in names:
+        if not isinstance(n, str):
+            raise TypeError(f"{arg} must hold rule names (str), got {type(n).__name__}")
+    return names
+
+
 @contextlib.contextmanager
-def fusions(*, disable: Iterable[str] = (), force: Iterable[str] = ()) -> Iterator[None]:
+def fusions(
+    *, disable: str | Iterable[str] = (), force: str | Iterable[str] = ()
+) -> Iterator[None]:
     """Within this block, never apply the rules in ``disable`` (``"all"``: every rule) and
-    warn whenever a rule in ``force`` declines. Blocks nest; they add to ``MOEKIT_FUSIONS``."""
-    d, f = frozenset(disable), frozenset(force)
+    warn whenever a rule in ``force`` declines; each takes a rule name or names. Blocks nest;
+    they add to ``MOEKIT_FUSIONS``."""
+    d, f = _names("disable", disable), _names("force", force)
+    if "all" in f:
+        raise ValueError("fusions(force=...) takes rule names; 'all' forces nothing")
     for n in (d | f) - {"all"}:
         _check_known(n)
     _overrides.append((d, f))

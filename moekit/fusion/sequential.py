@@ -258,6 +258,9 @@ class Sequential(nn.Module):
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change
         out = super()._apply(fn, recurse)
         self._refresh_params()
+        # The parameter objects usually survive a cast in place, but the rules decided on
+        # their dtypes and devices: plan afresh.
+        self._programs.clear()
         return out
 
     # --- planning ---------------------------------------------------------------------------

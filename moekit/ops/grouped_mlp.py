@@ -87,7 +87,7 @@ def _fc1(x, w1, offsets, a, h, probs, b1, act: Activation, interleave: int | Non
 
     key = (H, F_, E, act, interleave, h is not None, probs is not None)
     cfg = gemm_tuning.choose_config(
-        "mlp_fc1", key, x.dtype, x.device, tuning.fc1_candidates(act.gated, interleave),
+        "mlp_fc1", key, x.dtype, x.device, tuning.fc1_candidates(act.gated, interleave, x.dtype),
         lambda: gemm_tuning.routing_robust_launches(launch, R, E, offsets),
         tuning.fit_interleave(gemm_tuning.INTERPRET_CONFIG, interleave), keep_default_within=0.0,
     )  # fmt: skip
@@ -108,7 +108,7 @@ def _dact(dy, w2, offsets, h, probs, dh, a_re, part, dp, act, interleave) -> Non
     key = (H, F_, E, act, interleave, a_re is not None, probs is not None)
     cfg = gemm_tuning.choose_config(
         "mlp_dact", key, dy.dtype, dy.device,
-        tuning.dact_candidates(interleave, R, F_, a_re is not None),
+        tuning.dact_candidates(interleave, R, F_, a_re is not None, dy.dtype),
         lambda: gemm_tuning.routing_robust_launches(launch, R, E, offsets),
         tuning.fit_interleave(gemm_tuning.INTERPRET_CONFIG, interleave), keep_default_within=0.0,
     )  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import torch
+
 from moekit.runtime.intmath import cdiv
 from moekit.tuning.grouped_gemm import INTERPRET_CONFIG, GemmConfig
 
@@ -47,6 +49,16 @@ _DACT_WIDE = GemmConfig(128, 256, 64, num_warps=8, num_stages=4)
 DACT_WIDE_MIN_ROWS = 32768
 DACT_WIDE_MAX_F = 4096
 _DACT_WIDE_FIRST = (_DACT_WIDE, *_DACT)
+# fp32 operands (4-byte elements, TF32 MMA): 32-deep K steps and narrower tiles, so that the
+# pipeline stages fit in shared memory (the 16-bit tiles would need 288-384 KiB).
+_FC1_FP32 = (
+    GemmConfig(128, 64, 32, num_warps=8, num_stages=3),
+    GemmConfig(64, 64, 32, num_warps=4, num_stages=3),
+)
+_DACT_FP32 = (
+    GemmConfig(128, 64, 32, num_warps=8, num_stages=3),
+    GemmConfig(64, 64, 32, num_warps=4, num_stages=3),
+)
 _DACT_ALL = (*_DACT, _DACT_WIDE)
 
 
@@ -71,16 +83,23 @@ def _fit_all(cands: tuple[GemmConfig, ...], interleave: int | None) -> tuple[Gem
     return tuple(dict.fromkeys(fit_interleave(c, interleave) for c in cands))
 
 
-def fc1_candidates(gated: bool, interleave: int | None) -> tuple[GemmConfig, ...]:
-    """The fc1 kernel's candidates, default first."""
+def fc1_candidates(
+    gated: bool, interleave: int | None, dtype: torch.dtype = torch.bfloat16
+) -> tuple[GemmConfig, ...]:
+    """The fc1 kernel's candidates for operands of ``dtype``, default first."""
+    if dtype == torch.float32:
+        return _fit_all(_FC1_FP32, interleave)
     return _fit_all(_FC1_GATED if gated else _FC1, interleave)
 
 
 def dact_candidates(
-    interleave: int | None, rows: int, F: int, store_a: bool
+    interleave: int | None, rows: int, F: int, store_a: bool, dtype: torch.dtype = torch.bfloat16
 ) -> tuple[GemmConfig, ...]:
-    """The dact kernel's candidates for ``rows`` (R, the static row count) and ``F``, default
-    first: the wide tile for large R, moderate F and no recomputed activation to store."""
+    """The dact kernel's candidates for ``rows`` (R, the static row count), ``F`` and operands
+    of ``dtype``, default first: the wide tile for 16-bit operands, large R, moderate F and no
+    recomputed activation to store."""
+    if dtype == torch.float32:
+        return _fit_all(_DACT_FP32, interleave)
     if rows >= DACT_WIDE_MIN_ROWS and F <= DACT_WIDE_MAX_F and not store_a:
         return _fit_all(_DACT_WIDE_FIRST, interleave)
     return _fit_all(_DACT_ALL, interleave)
@@ -93,6 +112,7 @@ def dact_partial_rows(F: int, interleave: int | None) -> int:
     Cached: every backward asks."""
     cands = (
         *_fit_all(_DACT_ALL, interleave),
+        *_fit_all(_DACT_FP32, interleave),
         fit_interleave(INTERPRET_CONFIG, interleave),
     )
     return max(cdiv(F, c.block_n) for c in cands)

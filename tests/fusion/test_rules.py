@@ -316,6 +316,24 @@ def test_moe(case):
 
 
 @needs_interpret
+def test_moe_declines_when_its_extras_are_used_after_it():
+    """An unscaled activation before an unweighted Unpermute leaves Permute's ``probs`` to the
+    chain's outputs: the moe fused op keeps its extras inside, so it declines there (and the
+    chain still runs, with grouped_mlp fusing the experts)."""
+    seq = _moe(mf.SwiGLU, False, False, {})
+    assert seq.extra_output_names == ("probs",)
+    x = torch.randn(T, H)
+    plan = seq.plan(x)
+    assert "moe" not in plan.fused("forward")
+    assert any(d.rule == "moe" and "probs" in d.reason for d in plan.declined)
+    y, probs = seq(x)
+    with fusions(disable=["all"]):
+        y_ref, probs_ref = seq(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(probs, probs_ref)
+
+
+@needs_interpret
 @pytest.mark.parametrize("weighted", [False, True], ids=["scaled", "weighted_unpermute"])
 def test_moe_off_grouped_mlp_on(weighted):
     """With only ``moe`` off, grouped_mlp fuses the expert MLP inside the basic routing ops

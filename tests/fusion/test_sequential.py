@@ -744,6 +744,43 @@ def test_fusions_nests_and_restores():
     with pytest.raises(ValueError, match="unknown fusion rule 'nope'"), fusions(disable=["nope"]):
         pass
     assert _fused(seq.plan(x)) == on  # the failed block left no setting behind
+    with fusions(disable="add_rmsnorm"):  # one name, not its letters
+        assert _fused(seq.plan(x)) == ([], ["rmsnorm_residual_grad"])
+    with pytest.raises(ValueError, match="'all' forces nothing"), fusions(force="all"):
+        pass
+
+
+def test_env_plus_all_is_an_error(monkeypatch):
+    monkeypatch.setenv("MOEKIT_FUSIONS", "+all")
+    with pytest.raises(ValueError, match="'\\+all' forces nothing"):
+        _norm_chain().plan(torch.randn(2, 16))
+
+
+def test_module_casts_plan_afresh():
+    """A cast keeps the parameter objects; the plans, which the rules made for the old dtype,
+    must not survive it."""
+    seq = _norm_chain()
+    x = torch.randn(3, 16)
+    seq.plan(x)
+    assert seq._programs
+    seq.half()
+    assert not seq._programs
+    y = seq(x.half(), torch.randn(3, H, dtype=torch.float16))
+    assert all(t.dtype == torch.float16 for t in (y if isinstance(y, tuple) else (y,)))
+
+
+def test_fp64_bias_gradients_accumulate_in_fp64():
+    torch.manual_seed(0)
+    seq = mf.Sequential(
+        mf.Linear(8, 8, bias=True, dtype=torch.float64), mf.Bias(8, dtype=torch.float64)
+    )
+    x = torch.randn(1000, 8, dtype=torch.float64)
+    dy = torch.randn(1000, 8, dtype=torch.float64)
+    with fusions(disable=["all"]):
+        (seq(x) * dy).sum().backward()
+    want = dy.sum(0)
+    for p in (seq[0].bias, seq[1].bias):
+        torch.testing.assert_close(p.grad, want, rtol=1e-12, atol=1e-12)
 
 
 def test_backward_runs_the_plan_of_its_forward():

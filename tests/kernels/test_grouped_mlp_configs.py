@@ -27,7 +27,7 @@ def _rel(x, ref):
     return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
 
 
-def _case(device="cuda", dtype=torch.bfloat16):
+def _case(device="cuda", dtype=torch.bfloat16):  # fp32 runs as TF32: bf16-like tolerances
     E, R = len(COUNTS), sum(COUNTS) + TAIL
     offsets = torch.tensor(COUNTS).cumsum(0).to(torch.int32).to(device)
     return {
@@ -42,18 +42,19 @@ def _case(device="cuda", dtype=torch.bfloat16):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleave", [None, 64])
-def test_gpu_every_fc1_candidate(interleave):
-    c = _case()
+def test_gpu_every_fc1_candidate(interleave, dtype):
+    c = _case(dtype=dtype)
     act = resolve_activation("swiglu")
     routed = c["routed"]
     h_ref = grouped_mm_ragged_m_ref(
         c["x"].float(), c["w1"].float().transpose(1, 2), c["offsets"], torch.float32
     )
     a_ref = apply_activation(h_ref, act, interleave) * c["probs"][:, None]
-    for cfg in tuning.fc1_candidates(True, interleave):
-        h = torch.full((c["R"], 2 * F), float("nan"), device="cuda", dtype=torch.bfloat16)
-        a = torch.full((c["R"], F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    for cfg in tuning.fc1_candidates(True, interleave, dtype):
+        h = torch.full((c["R"], 2 * F), float("nan"), device="cuda", dtype=dtype)
+        a = torch.full((c["R"], F), float("nan"), device="cuda", dtype=dtype)
         MLP.grouped_mlp_fc1(
             c["x"], c["w1"], c["offsets"], a, h, c["probs"], None, act, interleave, cfg
         )
@@ -62,10 +63,11 @@ def test_gpu_every_fc1_candidate(interleave):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("interleave", [None, 64])
 @pytest.mark.parametrize("store_a", [False, True])
-def test_gpu_every_dact_candidate(interleave, store_a):
-    c = _case()
+def test_gpu_every_dact_candidate(interleave, store_a, dtype):
+    c = _case(dtype=dtype)
     act = resolve_activation("swiglu")
     routed, R = c["routed"], c["R"]
     hf = c["h"].float().requires_grad_()
@@ -75,10 +77,10 @@ def test_gpu_every_dact_candidate(interleave, store_a):
     dp_ref = (da * out.detach()).sum(1)
     a_ref = out.detach() * c["probs"][:, None]
     part = torch.empty(tuning.dact_partial_rows(F, interleave), R, device="cuda")
-    default = tuning.dact_candidates(interleave, R, F, store_a)[0]
-    for cfg in tuning.dact_candidates(interleave, R, F, store_a):
-        dh = torch.full((R, 2 * F), float("nan"), device="cuda", dtype=torch.bfloat16)
-        a = torch.full((R, F), float("nan"), device="cuda", dtype=torch.bfloat16)
+    default = tuning.dact_candidates(interleave, R, F, store_a, dtype)[0]
+    for cfg in tuning.dact_candidates(interleave, R, F, store_a, dtype):
+        dh = torch.full((R, 2 * F), float("nan"), device="cuda", dtype=dtype)
+        a = torch.full((R, F), float("nan"), device="cuda", dtype=dtype)
         try:
             used = MLP.grouped_mlp_dact(
                 c["dy"], c["w2"], c["offsets"], c["h"], c["probs"], dh, a if store_a else None,
@@ -123,3 +125,15 @@ def test_dact_default_by_shape(rows, F_, store_a, wide):
 def test_dact_candidates_fit_the_glu_interleave():
     for cfg in tuning.dact_candidates(32, 1 << 20, 1024, False):
         assert 32 % cfg.block_n == 0
+
+
+def test_fp32_candidates_are_their_own():
+    """fp32 operands take 32-deep K tiles (the 16-bit tiles' stages do not fit in shared
+    memory), whatever the shape."""
+    for cands in (
+        tuning.fc1_candidates(True, None, torch.float32),
+        tuning.dact_candidates(None, 1 << 20, 768, False, torch.float32),
+        tuning.dact_candidates(None, 8, 768, True, torch.float32),
+    ):
+        assert all(c.block_k == 32 for c in cands)
+    assert tuning.fc1_candidates(True, None)[0].block_k == 64

@@ -31,6 +31,11 @@ def accumulate_weight_grad(w: torch.Tensor, dw: torch.Tensor) -> torch.Tensor | 
     return None
 
 
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Bias-gradient sums accumulate in fp32 (fp64 for fp64 gradients)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 class Linear(BasicOp):
     """``y = x @ weightᵀ (+ bias)`` over the last dim of ``x [..., in]``.
 
@@ -104,7 +109,7 @@ class Linear(BasicOp):
         dw = accumulate_weight_grad(w, dy2.t() @ x2) if w.requires_grad else None
         db = None
         if self.bias is not None and self.bias.requires_grad:
-            db = dy2.sum(0, dtype=torch.float32).to(self.bias.dtype)
+            db = dy2.sum(0, dtype=_acc_dtype(dy2)).to(self.bias.dtype)
         return dx, {}, (dw, db) if self.bias is not None else (dw,)
 
     def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
@@ -164,7 +169,7 @@ class Bias(BasicOp):
     def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
         db = None
         if self.bias.requires_grad:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(self.bias.dtype)
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=_acc_dtype(dy)).to(self.bias.dtype)
         return dy, {}, (db,)
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:

@@ -28,7 +28,9 @@ __all__ = ["FusedMoE"]
 class FusedMoE(FusedOp):
     """Runs both passes of its window; its state is the recorded graph in the first context.
     A chain of just these six ops runs :meth:`run` under autograd itself (``autograd_forward``),
-    as :class:`moekit.nn.MoELayer` does."""
+    as :class:`moekit.nn.MoELayer` does. The routing and dispatch extras stay inside it."""
+
+    makes_extras = False
 
     def __init__(self, ops, use_probs: bool) -> None:
         super().__init__(ops)
