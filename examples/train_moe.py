@@ -285,6 +285,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="parameter and activation dtype (default: bfloat16 on a GPU, float32 on CPU)",
     )  # fmt: skip
     args = p.parse_args(argv)
+    for name in ("steps", "batch", "stop_after", "ep"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     cfg = CONFIGS[args.config]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
@@ -303,6 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     ep = ExpertParallel(args.ep, device)
     if args.ep > 1 and args.baseline != "moekit":
         raise SystemExit("--ep runs the moekit layers only")
+    if cfg.batch % ep.size:  # each rank trains on its own equal share of the batch
+        raise SystemExit(f"--batch ({cfg.batch}) must be a multiple of --ep ({ep.size})")
     model = ep.build(cfg, MoELayer if args.baseline == "moekit" else TorchMoE, device, dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, eps=1e-6)
     gen = torch.Generator().manual_seed(args.seed)
@@ -311,10 +317,18 @@ def main(argv: list[str] | None = None) -> dict:
         out, "checkpoint.pt" if ep.size == 1 else f"checkpoint-rank{ep.rank}.pt"
     )
     if args.resume:
+        if not os.path.exists(ckpt_path):
+            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
         ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
+        saved = ckpt["config"]
+        now = dataclasses.asdict(cfg)
+        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if changed:  # the data stream and the LR schedule would silently differ
+            diffs = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise SystemExit(f"--resume with another configuration than the checkpoint's ({diffs})")
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
-        gen.set_state(ckpt["data_rng"])
+        gen.set_state(ckpt["data_rng"].cpu())  # a CPU generator's state, whatever map_location
         losses = ckpt["losses"]
     start = len(losses)
     warmup = max(1, cfg.steps // 20)

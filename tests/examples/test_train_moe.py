@@ -47,6 +47,25 @@ def test_resume_continues_with_identical_losses(tmp_path):
     assert resumed["losses"] == full["losses"]
 
 
+def _fails(*args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args, "--no-progress"], env=env, capture_output=True,
+        text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    return proc.stderr
+
+
+def test_bad_arguments_and_mismatched_resume(tmp_path):
+    for flag in ("--steps", "--batch", "--stop-after", "--ep"):
+        assert f"{flag} must be >= 1" in _fails(flag, "0", "--out", str(tmp_path / "x"))
+    assert "no checkpoint at" in _fails("--resume", "--out", str(tmp_path / "none"))
+    _run("--steps", "4", "--stop-after", "2", "--batch", "2", "--out", str(tmp_path / "c"))
+    err = _fails("--steps", "5", "--batch", "2", "--resume", "--out", str(tmp_path / "c"))
+    assert "another configuration than the checkpoint's (steps: 4 -> 5)" in err
+
+
 BASELINE_CHECK = f"""
 import importlib.util, sys, torch
 spec = importlib.util.spec_from_file_location("train_moe", {str(EXAMPLE)!r})
