@@ -184,7 +184,9 @@ def get_pool(group: dist.ProcessGroup | None = None) -> SymmetricPool:
     group = group if group is not None else dist.group.WORLD
     key = _group_key(group)
     pool = _POOLS.get(key)
-    if pool is None:
+    # A process group destroyed and created again may reuse the old one's name: the pool (its
+    # peers, rank and size) belongs to the old group object, so it is replaced.
+    if pool is None or pool.group is not group:
         global _generation
         pool = SymmetricPool(group)
         _POOLS[key] = pool

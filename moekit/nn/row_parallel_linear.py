@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit.nn.rmsnorm import RMSNorm
-from moekit.ops.allreduce import allreduce, allreduce_add, allreduce_add_rmsnorm
+from moekit.ops.allreduce import ALGOS, allreduce, allreduce_add, allreduce_add_rmsnorm
+from moekit.ops.rmsnorm import add_rmsnorm
 
 
 class RowParallelLinear(nn.Module):
@@ -50,6 +51,16 @@ class RowParallelLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(
+                "group must be a torch.distributed.ProcessGroup or None, got "
+                f"{type(group).__name__}"
+            )
+        if not isinstance(algo, str) or algo not in ALGOS:
+            raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         rank = dist.get_rank(group) if dist.is_initialized() else 0
         if in_features % world:
@@ -68,10 +79,26 @@ class RowParallelLinear(nn.Module):
         self.world_size = world
         self.algo = algo
         self.norm = norm
-        self.weight = nn.Parameter(
-            torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype)
-        )
-        nn.init.kaiming_uniform_(self.weight, a=5**0.5)
+        # nn.Linear's initialisation of the full [out, in] weight, then this rank's columns:
+        # the bound follows the full fan-in (not the shard's), and ranks seeded alike hold
+        # different slices of one matrix rather than copies of one shard.
+        full = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        nn.init.kaiming_uniform_(full, a=5**0.5)
+        lo = rank * self.in_per_rank
+        self.weight = nn.Parameter(full[:, lo : lo + self.in_per_rank].clone())
+
+    def _local(self) -> bool:
+        """True when the layer runs on one process without torch.distributed (built and called
+        without an initialised process group): the all-reduce is then the identity."""
+        if dist.is_initialized():
+            if self.world_size != dist.get_world_size(self.group):
+                raise ValueError(
+                    f"RowParallelLinear was built for a group of {self.world_size} rank(s), "
+                    f"the group now has {dist.get_world_size(self.group)}: build it after "
+                    "init_process_group"
+                )
+            return False
+        return True
 
     @torch.no_grad()
     def load_full_weight(self, full: torch.Tensor) -> None:
@@ -95,6 +122,12 @@ class RowParallelLinear(nn.Module):
                 f"got {x.shape[-1]}"
             )
         partial = F.linear(x, self.weight)  # [..., H]
+        if self._local():
+            if self.norm is not None:
+                if residual is None:
+                    return self.norm(partial)
+                return add_rmsnorm(partial, residual, self.norm.weight, eps=self.norm.eps)
+            return partial if residual is None else partial + residual
         if self.norm is not None:
             if residual is None:
                 summed = allreduce(partial, group=self.group, algo=self.algo)

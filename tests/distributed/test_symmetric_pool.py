@@ -118,6 +118,32 @@ def test_init_distributed_and_pool_on_cpu():
         mp.spawn(_worker, args=(d,), nprocs=WORLD, join=True)
 
 
+def _reinit_worker(rank: int, store_dir: str) -> None:
+    from moekit.distributed import get_pool
+    from moekit.distributed.symmetric_pool import pool_generation
+
+    first = None
+    for attempt in range(2):  # the same group name "0" both times
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_dir}/store{attempt}", rank=rank, world_size=1
+        )
+        try:
+            pool = get_pool()
+            assert pool.group is dist.group.WORLD
+            if first is None:
+                first, gen = pool, pool_generation()
+            else:  # the old group's pool (its peers, rank, size) is not handed out again
+                assert pool is not first and pool_generation() != gen
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_pool_of_a_destroyed_group_is_not_reused():
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_reinit_worker, args=(d,), nprocs=1, join=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.dist
 def test_pool_gpu_single_process_group_of_one():

@@ -68,6 +68,15 @@ def _worker(rank: int, store: str) -> None:
             plain(x)
         with pytest.raises(ValueError, match=r"norm\.hidden_size"):
             RowParallelLinear(IN, OUT, norm=RMSNorm(OUT + 1))
+
+        # initialisation: nn.Linear's for the full weight, this rank's columns of it (ranks
+        # seeded alike hold different slices, within the full fan-in's bound)
+        torch.manual_seed(1)
+        big = RowParallelLinear(4096, 64)
+        assert big.weight.abs().max() <= 4096**-0.5
+        shards = [torch.empty_like(big.weight) for _ in range(WORLD)]
+        dist.all_gather(shards, big.weight.detach().contiguous())
+        assert not torch.equal(shards[0], shards[1])
         finish_worker()  # barrier, then exit without gloo's racy teardown
     finally:
         dist.destroy_process_group()
@@ -77,3 +86,32 @@ def _worker(rank: int, store: str) -> None:
 def test_row_parallel_linear_matches_unsharded():
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(os.path.join(d, "store"),), nprocs=WORLD, join=True)
+
+
+def test_construction_errors_and_single_process_without_distributed():
+    from moekit.nn.rmsnorm import RMSNorm
+    from moekit.nn.row_parallel_linear import RowParallelLinear
+    from moekit.reference.rmsnorm import add_rmsnorm_ref
+
+    for kw, exc, match in (
+        (dict(in_features=0, out_features=4), ValueError, "in_features must be a positive int"),
+        (dict(in_features=4, out_features=4.0), ValueError, "out_features must be a positive"),
+        (dict(in_features=4, out_features=4, algo="foo"), ValueError, "algo must be one of"),
+        (dict(in_features=4, out_features=4, group="x"), TypeError, "group must be a"),
+    ):
+        with pytest.raises(exc, match=match):
+            RowParallelLinear(**kw)
+    if dist.is_initialized():
+        pytest.skip("a process group is initialised in this process")
+    # built and called without torch.distributed: one rank, the all-reduce is the identity
+    torch.manual_seed(0)
+    norm = RMSNorm(8)
+    layer = RowParallelLinear(6, 8, norm=norm)
+    x, r = torch.randn(3, 6), torch.randn(3, 8)
+    n, ro = layer(x, r)
+    n2, ro2, _ = add_rmsnorm_ref(x @ layer.weight.t(), r, norm.weight, norm.eps)
+    torch.testing.assert_close(n, n2)
+    torch.testing.assert_close(ro, ro2)
+    plain = RowParallelLinear(6, 8)
+    torch.testing.assert_close(plain(x), x @ plain.weight.t())
+    torch.testing.assert_close(plain(x, r), x @ plain.weight.t() + r)
