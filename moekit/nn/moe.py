@@ -18,7 +18,6 @@ from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_sa
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.permute import permute, unpermute
-from moekit.ops.router_losses import attach_loss
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
 
@@ -195,12 +194,9 @@ class MoELayer(nn.Module):
         self.last_counts = r.counts
         self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()
         self.last_z_loss = None if r.z_loss is None else r.z_loss.detach()
-        losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
-        if losses:
-            # On the probs, which every routed row's output depends on, rather than on the
-            # returned tensor: the caller may then add a residual to that in place.
-            probs = attach_loss(r.probs, sum(losses), self.router.aux_loss_grad_scale)
-            r = dataclasses.replace(r, probs=probs)
+        # On the probs, which every routed row's output depends on, rather than on the
+        # returned tensor: the caller may then add a residual to that in place.
+        r = dataclasses.replace(r, probs=self.router.attach_losses(r.probs, r))
         if self.ep_group is None:
             y = routed_experts(
                 tokens, r, self.experts, num_experts=self.num_experts, align=self.align,

@@ -10,7 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from moekit.ops.router import route
-from moekit.ops.router_losses import check_grad_scale, load_balancing_loss, router_z_loss
+from moekit.ops.router_losses import (
+    attach_loss,
+    check_grad_scale,
+    load_balancing_loss,
+    router_z_loss,
+)
 
 __all__ = ["RouterOutput", "TopKRouter"]
 
@@ -126,6 +131,15 @@ class TopKRouter(nn.Module):
         if self.z_loss_coeff > 0:
             z = self.z_loss_coeff * router_z_loss(logits)
         return RouterOutput(probs, indices, counts, aux, z)
+
+    def attach_losses(self, t: torch.Tensor, out: RouterOutput) -> torch.Tensor:
+        """``t`` with ``out``'s aux and z losses riding along in autograd (gradient
+        :attr:`aux_loss_grad_scale`), for a layer that applies them itself; ``t`` when both are
+        off. Attach them to a tensor the layer consumes (:func:`moekit.ops.attach_loss`)."""
+        losses = [loss for loss in (out.aux_loss, out.z_loss) if loss is not None]
+        if not losses:
+            return t
+        return attach_loss(t, sum(losses), self._aux_loss_grad_scale)
 
     @torch.no_grad()
     def update_expert_bias(self, counts: torch.Tensor, rate: float = 1e-3) -> None:

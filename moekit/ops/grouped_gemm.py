@@ -389,7 +389,7 @@ def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, valida
     if tma_ready(out):
         ragged_m_out(a, b, offsets, bias, out)
     else:  # the kernel's TMA store needs a 16-byte aligned base: write a fresh buffer, copy
-        fresh = aligned_copy(out) if out.numel() else out
+        fresh = torch.empty_like(out)  # out is contiguous; a fresh block is aligned
         ragged_m_out(a, b, offsets, bias, fresh)
         out.copy_(fresh)
     return out

@@ -54,6 +54,18 @@ def loss_and_grads(model, ids):
     return out.logits.detach(), out.loss.detach(), grads
 
 
+def _falls_back_to(backend: str, model, ids) -> None:
+    """The moekit backend warns that it runs transformers' ``backend`` experts, and the model's
+    logits equal those of transformers' eager experts."""
+    hf._warn_fallback.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = model(input_ids=ids).logits
+    assert any(f"runs transformers' {backend} experts" in str(w.message) for w in caught)
+    model.set_experts_implementation("eager")
+    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_matches_eager_experts(family, monkeypatch):
     model = tiny_model(family, "eager")
@@ -158,13 +170,7 @@ def test_dense_first_layers_and_odd_sizes():
     config = transformers.AutoConfig.for_model("olmoe", **odd, **FAMILIES["olmoe"])
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="moekit")
     assert "not 16-byte multiples" in hf.unsupported(model.model.layers[0].mlp.experts)
-    hf._warn_fallback.cache_clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = model(input_ids=ids).logits
-    assert any("runs transformers' eager experts" in str(w.message) for w in caught)
-    model.set_experts_implementation("eager")
-    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    _falls_back_to("eager", model, ids)
 
 
 def test_router_patch_reads_a_none_norm_topk_prob_as_false():
@@ -186,13 +192,7 @@ def test_unsupported_experts_fall_back_with_a_warning():
         layer.mlp.experts.act_fn = transformers.activations.ACT2FN["gelu_pytorch_tanh"]
     assert "activation moekit does not run" in hf.unsupported(experts)
     ids = torch.randint(0, COMMON["vocab_size"], (1, 7))
-    hf._warn_fallback.cache_clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got = model(input_ids=ids).logits
-    assert any("runs transformers' grouped_mm experts" in str(w.message) for w in caught)
-    model.set_experts_implementation("eager")
-    torch.testing.assert_close(got, model(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+    _falls_back_to("grouped_mm", model, ids)
 
 
 def test_torch_compile_fullgraph_of_the_experts():

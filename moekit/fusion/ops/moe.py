@@ -17,7 +17,6 @@ import torch
 from moekit.fusion.op import BasicOp, OpContext, RecordedGraph
 from moekit.nn.router import TopKRouter
 from moekit.ops.permute import Dispatch, permute, unpermute
-from moekit.ops.router_losses import attach_loss
 
 __all__ = ["Permute", "Router", "Unpermute"]
 
@@ -40,11 +39,7 @@ class Router(BasicOp, TopKRouter):
         """(x with the router's losses attached, probs, indices), differentiable."""
         r = TopKRouter.forward(self, x)
         self.last_counts = r.counts
-        y = x.view_as(x)
-        losses = [loss for loss in (r.aux_loss, r.z_loss) if loss is not None]
-        if losses:
-            y = attach_loss(y, sum(losses), self.aux_loss_grad_scale)
-        return y, r.probs, r.indices
+        return self.attach_losses(x.view_as(x), r), r.probs, r.indices
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
         ctx.graph = RecordedGraph(self.route, (x,), (self.weight,), ctx.saving)
