@@ -23,6 +23,7 @@ import warnings
 
 import torch
 
+from moekit.ops.autocast import autocast_dtype
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import permute, unpermute
 from moekit.ops.router import topk_routing
@@ -184,7 +185,8 @@ def moekit_experts_forward(
     if reason is not None:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
     w1, w2 = self.gate_up_proj, self.down_proj
-    x = hidden_states.to(w1.dtype)  # autocast may hand fp32 activations to bf16 weights
+    # autocast may hand fp32 activations to bf16 weights, or run fp32 weights in bf16
+    x = hidden_states.to(autocast_dtype(hidden_states.device.type) or w1.dtype)
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
     activation = _activation(self)
     y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)

@@ -8,7 +8,7 @@ attached to the routing probs so that they train the router without the caller a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +17,7 @@ from moekit.activations import apply_activation, resolve_activation
 from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_same_tokens
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
+from moekit.ops.autocast import autocast_tensors
 from moekit.ops.permute import permute, unpermute
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
@@ -31,18 +32,19 @@ def routed_experts(
     align: int | None = None,
     capacity_factor: float | None = None,
     scale_by_probs: bool = True,
-) -> torch.Tensor:  # [T, H']
+    shape: Sequence[int] | None = None,
+) -> torch.Tensor:  # [T, H'] (or ``shape``)
     """The routed part of an MoE layer on one device: permute the tokens by ``route``, run
     ``experts(rows [R, H], offsets [E], row_probs [R] | None) -> [R, H']`` (the probs, in the
     rows' dtype, are applied inside the experts' activation), and sum each token's rows back
-    unweighted. Differentiable in the tokens, the route's probs and whatever ``experts``
-    uses."""
+    unweighted, into a tensor of ``shape`` if given (``moekit.ops.unpermute``). Differentiable
+    in the tokens, the route's probs and whatever ``experts`` uses."""
     d = permute(
         tokens, route.indices, route.probs, num_experts=num_experts, align=align,
         capacity_factor=capacity_factor,
     )  # fmt: skip
     probs = d.probs.to(d.hidden.dtype) if scale_by_probs else None
-    return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False)
+    return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False, shape=shape)
 
 
 class SharedExpert(nn.Module):
@@ -158,7 +160,9 @@ class MoELayer(nn.Module):
     def aux_loss_grad_scale(self, value: float | torch.Tensor) -> None:
         self.router.aux_loss_grad_scale = value
 
-    def _expert_parallel(self, tokens: torch.Tensor, r: RouterOutput) -> torch.Tensor:
+    def _expert_parallel(
+        self, tokens: torch.Tensor, r: RouterOutput, shape: torch.Size
+    ) -> torch.Tensor:
         """The routed experts over ``ep_group``: rows travel to their experts' ranks and back."""
         d = permute(
             tokens, r.indices, r.probs, num_experts=self.num_experts,
@@ -178,7 +182,7 @@ class MoELayer(nn.Module):
             ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
         local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
         rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
-        return unpermute(rows, d, weighted=False)  # the probs were applied in the experts
+        return unpermute(rows, d, weighted=False, shape=shape)  # probs applied in the experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H = self.router.weight.shape[1]
@@ -190,6 +194,9 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, H)
         if tokens.stride(-1) != 1:  # e.g. a transposed [T, H] view: permute reads unit-stride rows
             tokens = tokens.contiguous()
+        if torch.is_autocast_enabled(tokens.device.type):
+            # the experts would cast their rows anyway (k per token): cast the tokens once
+            (tokens,) = autocast_tensors(tokens.device.type, tokens)
         r = self.router(tokens)
         self.last_counts = r.counts
         self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()
@@ -200,10 +207,12 @@ class MoELayer(nn.Module):
         if self.ep_group is None:
             y = routed_experts(
                 tokens, r, self.experts, num_experts=self.num_experts, align=self.align,
-                capacity_factor=self.capacity_factor,
+                capacity_factor=self.capacity_factor, shape=x.shape,
             )  # fmt: skip
         else:
-            y = self._expert_parallel(tokens, r)
+            y = self._expert_parallel(tokens, r, x.shape)
         if self.shared_expert is not None:
-            y = y + self.shared_expert(tokens)
-        return y.view(x.shape)
+            y = y + self.shared_expert(tokens).view(x.shape)
+        # y is a tensor of its own in x's shape, not a view: in-place ops on it and FSDP2's
+        # output hooks behave as on any layer's output.
+        return y

@@ -21,6 +21,7 @@ import itertools
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
+from moekit.ops.autocast import autocast_tensors
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import (
     FLOAT_DTYPES,
@@ -448,7 +449,17 @@ def grouped_mm(
 
     Returns:
         [T, N] (ragged M) or [E, M, N] (ragged K); ``out`` itself when given.
+
+    Inside a ``torch.autocast`` region, a, b and bias are first cast to its dtype (as
+    ``torch.mm`` does) and ``out_dtype`` defaults to that dtype.
     """
+    if isinstance(a, torch.Tensor) and torch.is_autocast_enabled(a.device.type):
+        a, b, bias = autocast_tensors(a.device.type, a, b, bias)
+        with torch.autocast(a.device.type, enabled=False):  # the op's own torch calls as-is
+            return grouped_mm(
+                a, b, offsets, out_dtype=out_dtype, out=out, accumulate=accumulate, bias=bias,
+                validate=validate,
+            )  # fmt: skip
     key = None
     if (
         out is None

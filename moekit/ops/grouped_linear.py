@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from moekit.ops import validation as v
+from moekit.ops.autocast import autocast_tensors
 from moekit.ops.custom_op import function_apply, refuse_double_backward
 from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
 
@@ -100,5 +101,15 @@ def grouped_linear(
     bf16/fp16, 4 for fp32) on every path. Rows past ``offsets[-1]`` give zeros. With
     ``main_grad`` (Megatron's gradient-accumulation fusion) the weight gradient is added into
     it in place by the wgrad kernel and ``weight.grad`` is left untouched (None).
+
+    Inside a ``torch.autocast`` region, x, weight and bias are first cast to its dtype (as
+    ``F.linear`` does; the weight's gradient then reaches ``.grad`` through the cast, not
+    ``main_grad``).
     """
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        x, cast_weight, bias = autocast_tensors(x.device.type, x, weight, bias)
+        if cast_weight is not weight:
+            main_grad = None  # the gradient reaches the weight through the cast
+        with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
+            return grouped_linear(x, cast_weight, offsets, bias, main_grad)
     return _apply_grouped_linear(*_check_inputs(x, weight, offsets, bias, main_grad))

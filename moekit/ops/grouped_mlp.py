@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
+from moekit.ops.autocast import autocast_tensors
 from moekit.ops.custom_op import (
     eager_shortcut,
     function_apply,
@@ -791,7 +792,18 @@ def grouped_mlp(
         [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
         the weight gradients in place and ``.grad`` stays None. Backward may run more than once
         through the same graph (``retain_graph=True``).
+
+    Inside a ``torch.autocast`` region, x, the weights and biases are first cast to its dtype
+    (as ``F.linear`` does; the weights' gradients then reach ``.grad`` through the cast, not
+    ``main_grad``), and the result comes in that dtype.
     """
+    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
+        x, w1, w2, b1, b2 = autocast_tensors(x.device.type, x, w1, w2, b1, b2)
+        with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
+            return grouped_mlp(
+                x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
+                recompute_activation=recompute_activation, b1=b1, b2=b2,
+            )  # fmt: skip
     mg1 = getattr(w1, "main_grad", None)
     mg2 = getattr(w2, "main_grad", None)
     plan = _plan(

@@ -19,6 +19,7 @@ trace under ``torch.compile``.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -154,11 +155,12 @@ def scatter(
     return out, vals
 
 
-def _gather_fake(src, row_index, row_weight, row_vals):
+def _gather_fake(src, row_index, row_weight, row_vals, lead):
     T, k = row_index.shape
+    out = src.new_empty(*lead, src.shape[1])
     if row_vals is None:
-        return src.new_empty(T, src.shape[1]), src.new_empty(0)
-    return src.new_empty(T, src.shape[1]), row_vals.new_empty(T, k)
+        return out, src.new_empty(0)
+    return out, row_vals.new_empty(T, k)
 
 
 @kernel_op("permute_gather", fake=_gather_fake)
@@ -167,14 +169,23 @@ def gather(
     row_index: torch.Tensor,  # [T, k] int32 contiguous
     row_weight: torch.Tensor | None,  # [R] contiguous
     row_vals: torch.Tensor | None,  # [R] contiguous → vals
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, H], vals [T, k] (or [0] without row_vals)
+    lead: list[int],  # out's leading shape, of T elements ([T] for [T, H])
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [*lead, H], vals [T, k] (or [0] without row_vals)
     """Sum of each token's k rows in fp32, weighted by ``row_weight``; ``vals[t, s] =
-    row_vals[row_index[t, s]]`` (0 where dropped)."""
+    row_vals[row_index[t, s]]`` (0 where dropped). ``out`` is allocated in the shape
+    ``[*lead, H]`` (a tensor of its own, not a view: callers may hand it out as is)."""
     T, k = row_index.shape
+    H = src.shape[1]
     if not use_triton(src):
         vals = slot_values(row_vals, row_index) if row_vals is not None else src.new_empty(0)
-        return gather_rows_torch(src, row_index, row_weight), vals
-    out = torch.empty(T, src.shape[1], dtype=src.dtype, device=src.device)
+        rows = gather_rows_torch(src, row_index, row_weight)
+        if len(lead) == 1:
+            return rows, vals
+        out = src.new_empty(*lead, H)
+        out.view(T, H).copy_(rows)
+        return out, vals
+    full = torch.empty(*lead, H, dtype=src.dtype, device=src.device)
+    out = full.view(T, H)
     vals = src.new_empty(0) if row_vals is None else row_vals.new_empty(T, k)
     out_vals = vals if row_vals is not None else None
     roles = (src, row_index, row_weight, row_vals, out, out_vals)
@@ -192,7 +203,7 @@ def gather(
         )
 
     replayed(key, roles, body)
-    return out, vals
+    return full, vals
 
 
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
@@ -238,7 +249,9 @@ class _PermuteFn(torch.autograd.Function):
         grad_hidden = grad_slot = None
         if need_h and grad_out is not None:
             # Permute's adjoint is the unweighted combine; dprobs rides along in the same pass.
-            grad_hidden, vals = gather(_rowmajor(grad_out), row_index, None, grad_probs)
+            grad_hidden, vals = gather(
+                _rowmajor(grad_out), row_index, None, grad_probs, [row_index.shape[0]]
+            )
             grad_slot = vals if grad_probs is not None else None
         else:
             if need_h:
@@ -253,7 +266,9 @@ class _UnpermuteFn(torch.autograd.Function):
     """rows [R, H] (and row probs [R]) → tokens [T, H]."""
 
     @staticmethod
-    def forward(ctx, expert_out, row_probs, row_index, offsets, tokens_per_expert, align, tail_lo):
+    def forward(
+        ctx, expert_out, row_probs, row_index, offsets, tokens_per_expert, align, tail_lo, lead
+    ):
         ctx.set_materialize_grads(False)
         need_dprobs = row_probs is not None and ctx.needs_input_grad[1]
         ctx.save_for_backward(
@@ -261,23 +276,26 @@ class _UnpermuteFn(torch.autograd.Function):
         )
         ctx.static = (expert_out.shape[0], align, tail_lo)
         ctx.probs_dtype = row_probs.dtype if row_probs is not None else expert_out.dtype
-        out, _ = gather(expert_out, row_index, row_probs, None)
+        out, _ = gather(expert_out, row_index, row_probs, None, lead)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         if grad_out is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         refuse_double_backward("unpermute")
         row_index, offsets, tokens_per_expert, row_probs, expert_out = ctx.saved_tensors
         num_rows, align, tail_lo = ctx.static
+        grad_out = _rowmajor(grad_out)
+        if grad_out.dim() != 2:
+            grad_out = grad_out.reshape(row_index.shape[0], grad_out.shape[-1])
         # Rows no slot maps to (padding, tail, dropped) get zero gradient from the zero-fills.
         grad_rows, grad_row_probs = scatter(
-            _rowmajor(grad_out), row_index, offsets, tokens_per_expert, None, row_probs,
+            grad_out, row_index, offsets, tokens_per_expert, None, row_probs,
             expert_out, num_rows, align, tail_lo, ctx.probs_dtype,
         )  # fmt: skip
         grad_row_probs = grad_row_probs if expert_out is not None else None
-        return grad_rows, grad_row_probs, None, None, None, None, None
+        return grad_rows, grad_row_probs, None, None, None, None, None, None
 
 
 _apply_permute = function_apply(_PermuteFn)
@@ -490,12 +508,18 @@ def unpermute(
     dispatch: Dispatch,
     *,
     weighted: bool = True,
+    shape: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Sum each token's k rows back in token order: ``out[t] = Σ_s p[t, s]·expert_out[r(t, s)]``.
 
     Accumulates in fp32 and returns ``[T, H']`` in expert_out's dtype. Padding rows and dropped
     slots contribute nothing. ``weighted`` multiplies by ``dispatch.probs`` (which must exist);
     gradients flow to ``expert_out`` and to ``dispatch.probs`` (hence to the permute's probs).
+
+    ``shape``: return the tokens in this shape instead, ``[..., H']`` with T tokens in its
+    leading dimensions (e.g. the ``[B, S, H]`` the tokens came from). The result is a tensor
+    of its own, not a view of a ``[T, H']`` one, so in-place ops on it (a residual ``y += x``)
+    and FSDP2's output hooks work as on any layer's output.
     """
     expert_out = _check_hidden("expert_out", expert_out)
     if not isinstance(dispatch, Dispatch):
@@ -509,15 +533,35 @@ def unpermute(
             "unpermute(weighted=True) needs dispatch.probs: pass probs to permute, or "
             "weighted=False"
         )
+    lead = _token_shape(shape, dispatch.num_tokens, expert_out.shape[1])
     if not needs_grad(expert_out, dispatch.probs if weighted else None):
-        return gather(expert_out, dispatch.row_index, dispatch.probs if weighted else None, None)[0]
+        row_probs = dispatch.probs if weighted else None
+        return gather(expert_out, dispatch.row_index, row_probs, None, lead)[0]
     slots = dispatch.num_tokens * dispatch.topk
     return _apply_unpermute(
         expert_out, dispatch.probs if weighted else None, dispatch.row_index, dispatch.offsets,
         dispatch.tokens_per_expert, dispatch.align or 1,
         # Gradient rows that no slot maps to (padding, tail) must come back zero.
-        _tail_lo(dispatch.dropless, slots, dispatch.num_rows),
+        _tail_lo(dispatch.dropless, slots, dispatch.num_rows), lead,
     )  # fmt: skip
+
+
+def _token_shape(shape: object, T: int, H: int) -> list[int]:
+    """unpermute's ``shape`` argument checked: the leading dimensions, of T elements."""
+    if shape is None:
+        return [T]
+    dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+    if (
+        not dims
+        or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims)
+        or dims[-1] != H
+        or math.prod(dims[:-1]) != T
+    ):
+        raise ValueError(
+            f"shape must be a [..., H' = {H}] shape holding the dispatch's T = {T} tokens in "
+            f"its leading dimensions, got {shape!r}"
+        )
+    return list(dims[:-1])
 
 
 def sort_chunks_by_index(

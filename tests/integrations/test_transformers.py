@@ -83,6 +83,31 @@ def test_matches_eager_experts(family, monkeypatch):
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_fp32_model_under_autocast_runs_its_experts_in_the_autocast_dtype(monkeypatch):
+    """An fp32 model trained under autocast (e.g. Trainer's bf16=True): the experts run in
+    the region's dtype, and logits and gradients stay as close to the eager experts' under
+    the same region as fp16 allows."""
+    model = tiny_model("qwen3_moe", "eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    with torch.autocast("cpu", dtype=torch.float16):
+        want = loss_and_grads(model, ids)
+    model.set_experts_implementation("moekit")
+    dtypes = []
+
+    def spy(x, *a, **k):
+        dtypes.append(x.dtype)
+        return grouped_mlp(x, *a, **k)
+
+    monkeypatch.setattr(hf, "grouped_mlp", spy)
+    with torch.autocast("cpu", dtype=torch.float16):
+        got = loss_and_grads(model, ids)
+    assert dtypes == [torch.float16] * COMMON["num_hidden_layers"]
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for name in want[2]:
+        assert got[2][name].dtype == torch.float32, name
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=5e-2, atol=5e-3, msg=name)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_moekit_router_matches_the_models_router(family, monkeypatch):
     model = tiny_model(family, "moekit")

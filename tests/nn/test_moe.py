@@ -112,6 +112,40 @@ def test_output_takes_an_in_place_residual_with_losses_on():
     torch.testing.assert_close(layer.router.weight.grad, want)
 
 
+@pytest.mark.parametrize("shared", [0, 8])
+def test_output_in_the_input_shape_is_not_a_view(shared):
+    # A view output would lose FSDP2's pre-backward hook under an in-place op on it.
+    torch.manual_seed(3)
+    layer = MoELayer(16, 8, 4, 2, shared_expert_ffn_size=shared)
+    for shape in ((10, 16), (2, 5, 16), (2, 1, 5, 16)):
+        x = torch.randn(shape, requires_grad=True)
+        y = layer(x)
+        assert y.shape == shape and not y._is_view()
+        torch.testing.assert_close(y.reshape(10, 16), layer(x.detach().reshape(10, 16)))
+        y += x
+        y.sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_same_gradients(reentrant):
+    """torch.utils.checkpoint over the layer (losses on, shared expert): the recomputed forward
+    adds the router's losses once, as the plain layer does."""
+    torch.manual_seed(5)
+    kw = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert_ffn_size=8)
+    plain = MoELayer(16, 8, 4, 2, **kw)
+    ckpt = MoELayer(16, 8, 4, 2, **kw)
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 7, 16)
+    g = torch.randn(2, 7, 16)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    plain(xa).backward(g)
+    y = torch.utils.checkpoint.checkpoint(ckpt, xb, use_reentrant=reentrant)
+    y.backward(g)
+    torch.testing.assert_close(xb.grad, xa.grad)
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_non_contiguous_input():
     torch.manual_seed(4)
     layer = MoELayer(16, 8, 4, 2)

@@ -725,3 +725,53 @@ def test_sort_chunks_by_index_validate():
     assert torch.equal(got[:4], x[3:7]) and torch.equal(got[4:7], x[:3])
     with pytest.raises(TypeError, match="validate must be a bool"):
         sort_chunks_by_index(x, torch.tensor([3, 4]), torch.tensor([1, 0]), validate=1)
+
+
+def _check_unpermute_shape(device: str, dtype: torch.dtype, H: int) -> None:
+    """unpermute(shape=[B, S, H]) equals the [T, H] result reshaped, forward and backward, with
+    and without autograd; the result is a tensor of its own (in-place ops allowed)."""
+    B, S, E, k = 3, 5, 4, 2
+    indices, probs = _routing(B * S, E, k, device=device)
+    hidden = torch.randn(B * S, H, device=device, dtype=dtype)
+    probs = probs.clone().requires_grad_()
+    d = permute(hidden, indices, probs, num_experts=E)
+    expert_out = torch.randn_like(d.hidden).requires_grad_()
+    flat = unpermute(expert_out, d)
+    shaped = unpermute(expert_out, d, shape=(B, S, H))
+    assert shaped.shape == (B, S, H) and not shaped._is_view()
+    torch.testing.assert_close(shaped, flat.view(B, S, H), rtol=0, atol=0)
+    g = torch.randn(B, S, H, device=device, dtype=dtype)
+    # (retain_graph: every pass reaches the permute's node through the probs)
+    want = torch.autograd.grad(flat, (expert_out, probs), g.view(B * S, H), retain_graph=True)
+    got = torch.autograd.grad(shaped, (expert_out, probs), g, retain_graph=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # an expanded (stride-0) gradient, as from .sum()
+    shaped_sum = unpermute(expert_out, d, shape=(B, S, H)).sum()
+    (ge,) = torch.autograd.grad(shaped_sum, (expert_out,), retain_graph=True)
+    (gw,) = torch.autograd.grad(flat.sum(), (expert_out,), retain_graph=True)
+    torch.testing.assert_close(ge, gw, rtol=0, atol=0)
+    y = unpermute(expert_out, d, shape=[B, S, H])
+    y += 1.0  # a residual added in place: allowed on the op's own output
+    y.sum().backward()
+    with torch.no_grad():
+        nograd = unpermute(expert_out, d, shape=torch.Size([S, B, H]))
+    assert not nograd._is_view()
+    torch.testing.assert_close(nograd, flat.detach().view(S, B, H), rtol=0, atol=0)
+
+
+def test_unpermute_shape():
+    _check_unpermute_shape("cpu", torch.float32, 24)
+
+
+def test_unpermute_shape_errors():
+    indices, probs = _routing(6, 4, 2)
+    d = permute(torch.randn(6, 8), indices, probs, num_experts=4)
+    for bad in [(2, 2, 8), (6, 4), (3, 2), (), "6,8", (2, 3.0, 8), (-2, -3, 8)]:
+        with pytest.raises(ValueError, match=r"shape must be a \[\.\.\., H' = 8\] shape"):
+            unpermute(d.hidden, d, shape=bad)
+
+
+@pytest.mark.gpu
+def test_gpu_unpermute_shape():
+    _check_unpermute_shape("cuda", torch.bfloat16, 512)

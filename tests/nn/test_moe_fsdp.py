@@ -1,0 +1,70 @@
+"""MoELayer under FSDP2 (``fully_shard``, gloo, CPU, 2 processes): optimizer steps on each
+rank's own tokens give the parameters of the unsharded layer trained on the mean of the ranks'
+losses, and the layer's output carries FSDP's hooks (no view-output warning)."""
+
+from __future__ import annotations
+
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from moekit.nn import MoELayer
+from tests._multiproc import finish_worker
+
+H, F, E, K, B, S, STEPS = 16, 8, 8, 2, 2, 7, 3
+
+
+def _worker(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        kw = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert_ffn_size=8)
+        ref = MoELayer(H, F, E, K, **kw)
+        model = MoELayer(H, F, E, K, **kw)
+        model.load_state_dict(ref.state_dict())
+        fully_shard(model)
+        # FSDP averages gradients over ranks, the router's losses' included: the reference
+        # takes the mean of the ranks' losses and gives the losses' gradient that 1/W too.
+        ref.aux_loss_grad_scale = 1.0 / world
+        gen = torch.Generator().manual_seed(1)
+        xs = [torch.randn(STEPS, world, B, S, H, generator=gen) for _ in range(2)]
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for step in range(STEPS):
+            x, g = xs[0][step], xs[1][step]
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                y = model(x[rank])
+            fsdp_warnings = [str(w.message) for w in caught if "FSDP" in str(w.message)]
+            assert not fsdp_warnings, fsdp_warnings  # e.g. "returned a view tensor"
+            y.backward(g[rank])
+            opt.step()
+            opt.zero_grad()
+            for r in range(world):
+                (ref(x[r]) * g[r]).sum().div(world).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+        state = model.state_dict()
+        for name, want in ref.state_dict().items():
+            got = state[name]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=name)
+        finish_worker()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_fsdp2_training_equals_the_unsharded_layer():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(2, port), nprocs=2, join=True)
