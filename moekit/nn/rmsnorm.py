@@ -30,6 +30,10 @@ class RMSNorm(nn.Module):
         self.eps = float(eps)
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
+    def reset_parameters(self) -> None:
+        """weight = 1 (e.g. after ``to_empty`` of a module built on the meta device)."""
+        nn.init.ones_(self.weight)
+
     def forward(
         self,
         x: torch.Tensor,  # [..., H]

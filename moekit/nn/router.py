@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.ops.router import route
+from moekit.ops.router import check_routing_options, route
 from moekit.ops.router_losses import (
     attach_loss,
     check_grad_scale,
@@ -72,10 +72,12 @@ class TopKRouter(nn.Module):
             scaling=scaling,
         )  # fmt: skip
         self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
+        # the op's own checks (k, score, groups, ...), running nothing: construction may be on
+        # the meta device
+        check_routing_options(num_experts, k, **self.route_kwargs)
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
         )
-        nn.init.normal_(self.weight, std=hidden_size**-0.5)
         if expert_bias:
             self.register_buffer(
                 "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -83,8 +85,14 @@ class TopKRouter(nn.Module):
         else:
             self.expert_bias = None
         self._aux_loss_grad_scale: float | torch.Tensor = 1.0
-        # the op's own checks (k, score, groups, ...) at construction, on one CPU token
-        route(torch.zeros(1, num_experts), k, **self.route_kwargs)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """weight ~ N(0, 1/hidden_size); the expert bias (if any) zero."""
+        nn.init.normal_(self.weight, std=self.weight.shape[1] ** -0.5)
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.expert_bias.zero_()
 
     @property
     def aux_loss_grad_scale(self) -> float | torch.Tensor:

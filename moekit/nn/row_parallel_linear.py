@@ -79,13 +79,21 @@ class RowParallelLinear(nn.Module):
         self.world_size = world
         self.algo = algo
         self.norm = norm
-        # nn.Linear's initialisation of the full [out, in] weight, then this rank's columns:
-        # the bound follows the full fan-in (not the shard's), and ranks seeded alike hold
-        # different slices of one matrix rather than copies of one shard.
-        full = torch.empty(out_features, in_features, device=device, dtype=dtype)
+        self.weight = nn.Parameter(
+            torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype)
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's initialisation of the full [out, in] weight, then this rank's columns:
+        the bound follows the full fan-in (not the shard's), and ranks seeded alike hold
+        different slices of one matrix rather than copies of one shard."""
+        w = self.weight
+        full = torch.empty(self.out_features, self.in_features, device=w.device, dtype=w.dtype)
         nn.init.kaiming_uniform_(full, a=5**0.5)
-        lo = rank * self.in_per_rank
-        self.weight = nn.Parameter(full[:, lo : lo + self.in_per_rank].clone())
+        lo = self.rank * self.in_per_rank
+        with torch.no_grad():
+            w.copy_(full[:, lo : lo + self.in_per_rank])
 
     def _local(self) -> bool:
         """True when the layer runs on one process without torch.distributed (built and called

@@ -19,7 +19,7 @@ from moekit.runtime.device import use_triton
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.router import router_config
 
-__all__ = ["MAX_EXPERTS", "MAX_TOPK", "route", "topk_routing"]
+__all__ = ["MAX_EXPERTS", "MAX_TOPK", "check_routing_options", "route", "topk_routing"]
 
 MAX_EXPERTS = 2048  # one token's scores sit in registers
 MAX_TOPK = 64  # the kernels unroll one selection round per slot
@@ -149,6 +149,34 @@ def _check_groups(num_groups: object, topk_groups: object, E: int, k: int) -> tu
     return num_groups, topk_groups
 
 
+def check_routing_options(
+    num_experts: int,
+    k: int,
+    *,
+    score: str = "softmax",
+    num_groups: int | None = None,
+    topk_groups: int | None = None,
+    normalize: bool = True,
+    scaling: float = 1.0,
+) -> tuple[int, int]:
+    """The checks :func:`topk_routing` makes of its arguments other than the tensors, for
+    ``num_experts`` experts, without running anything (e.g. at a module's construction, which
+    may happen on the meta device). Raises ValueError / TypeError; returns
+    ``(num_groups, topk_groups)`` as ints, ``(0, 0)`` without groups."""
+    E = num_experts
+    if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"the number of experts E must be in [1, {MAX_EXPERTS}], got {E!r}")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(E, MAX_TOPK):
+        raise ValueError(f"k must be an int in [1, min(E = {E}, {MAX_TOPK})], got {k!r}")
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    if not isinstance(normalize, bool):
+        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a float, got {type(scaling).__name__}")
+    return _check_groups(num_groups, topk_groups, E, k)
+
+
 def _check(logits, k, score, expert_bias, num_groups, topk_groups, normalize, scaling):
     logits = check_tensor("logits", logits)
     check_ndim("logits", logits, 2, "[T, E] (tokens, experts)")
@@ -156,10 +184,10 @@ def _check(logits, k, score, expert_bias, num_groups, topk_groups, normalize, sc
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"logits.shape[1] (E) must be in [1, {MAX_EXPERTS}], got {E}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(E, MAX_TOPK):
-        raise ValueError(f"k must be an int in [1, min(E = {E}, {MAX_TOPK})], got {k!r}")
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    groups = check_routing_options(
+        E, k, score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
+        scaling=scaling,
+    )  # fmt: skip
     if expert_bias is not None:
         expert_bias = check_tensor("expert_bias", expert_bias)
         if expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
@@ -171,11 +199,6 @@ def _check(logits, k, score, expert_bias, num_groups, topk_groups, normalize, sc
             raise ValueError(
                 f"expert_bias must be on logits' device {logits.device}, got {expert_bias.device}"
             )
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a float, got {type(scaling).__name__}")
-    groups = _check_groups(num_groups, topk_groups, E, k)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     if expert_bias is not None and not expert_bias.is_contiguous():
