@@ -1,6 +1,7 @@
-"""MoELayer under FSDP2 (``fully_shard``, gloo, CPU, 2 processes): optimizer steps on each
-rank's own tokens give the parameters of the unsharded layer trained on the mean of the ranks'
-losses, and the layer's output carries FSDP's hooks (no view-output warning)."""
+"""MoELayer under data parallelism (FSDP2's ``fully_shard`` and DDP; gloo, CPU, 2 processes):
+optimizer steps on each rank's own tokens give the parameters of the plain layer trained on the
+mean of the ranks' losses, and under FSDP2 the layer's output carries its hooks (no
+view-output warning)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from tests._multiproc import finish_worker
 H, F, E, K, B, S, STEPS = 16, 8, 8, 2, 2, 7, 3
 
 
-def _worker(rank: int, world: int, port: int) -> None:
+def _worker(rank: int, world: int, port: int, wrapper: str) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -30,8 +31,12 @@ def _worker(rank: int, world: int, port: int) -> None:
         ref = MoELayer(H, F, E, K, **kw)
         model = MoELayer(H, F, E, K, **kw)
         model.load_state_dict(ref.state_dict())
-        fully_shard(model)
-        # FSDP averages gradients over ranks, the router's losses' included: the reference
+        if wrapper == "fsdp2":
+            fully_shard(model)
+            wrapped = model
+        else:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        # Both average gradients over ranks, the router's losses' included: the reference
         # takes the mean of the ranks' losses and gives the losses' gradient that 1/W too.
         ref.aux_loss_grad_scale = 1.0 / world
         gen = torch.Generator().manual_seed(1)
@@ -42,7 +47,7 @@ def _worker(rank: int, world: int, port: int) -> None:
             x, g = xs[0][step], xs[1][step]
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                y = model(x[rank])
+                y = wrapped(x[rank])
             fsdp_warnings = [str(w.message) for w in caught if "FSDP" in str(w.message)]
             assert not fsdp_warnings, fsdp_warnings  # e.g. "returned a view tensor"
             y.backward(g[rank])
@@ -63,8 +68,9 @@ def _worker(rank: int, world: int, port: int) -> None:
 
 
 @pytest.mark.dist
-def test_fsdp2_training_equals_the_unsharded_layer():
+@pytest.mark.parametrize("wrapper", ["fsdp2", "ddp"])
+def test_data_parallel_training_equals_the_plain_layer(wrapper):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(2, port), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, port, wrapper), nprocs=2, join=True)
