@@ -10,7 +10,9 @@ result for less host time.
 
 from __future__ import annotations
 
+import functools
 import operator
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -331,6 +333,8 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if torch.is_autocast_enabled(x.device.type):
+            return self._forward_under_autocast(x, args, kwargs)
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
         names = self.extra_input_names
@@ -365,6 +369,24 @@ class Sequential(nn.Module):
         extra = [next(it) if v is _RETURNED else v for v in call.out_values]
         return (outs[0], *extra)
 
+    def _forward_under_autocast(self, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Inside a ``torch.autocast`` region. The chain's ops save what their backward reads
+        in the forward's dtypes, so the chain runs in one dtype with autocast off: the
+        region's when its parameters have it, else (with a one-time warning) its parameters'
+        own, as outside the region. ``x`` is cast to that dtype."""
+        dtype = torch.get_autocast_dtype(x.device.type)
+        if self._params_generation != _param_generation[0]:
+            self._refresh_params()
+        for p in self._params:
+            if p.is_floating_point() and p.dtype != dtype:
+                _warn_autocast(dtype, p.dtype)
+                dtype = p.dtype
+                break
+        if x.is_floating_point() and x.dtype != dtype:
+            x = x.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return self.forward(x, *args, **kwargs)
+
     def reference(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """The chain in plain differentiable PyTorch, op by op (each op's ``reference``): the
         oracle the fused and unfused runs are tested against."""
@@ -374,6 +396,17 @@ class Sequential(nn.Module):
             env.update(made)
         out_names = self.extra_output_names
         return (x, *(env[n] for n in out_names)) if out_names else x
+
+
+@functools.cache
+def _warn_autocast(region: torch.dtype, params: torch.dtype) -> None:
+    warnings.warn(
+        f"moekit.fusion.Sequential under torch.autocast({region}) runs in its parameters' "
+        f"dtype {params} (it does not cast parameters per call): convert the chain "
+        f"(.to({region}), keeping fp32 master weights in the optimizer or in main_grad) to run "
+        f"it in {region}",
+        stacklevel=3,
+    )
 
 
 def _any_requires_grad(values) -> bool:

@@ -29,6 +29,7 @@ from moekit.fusion import (
     unregister_fusion,
 )
 from moekit.fusion import registry as fusion_registry
+from moekit.fusion import sequential as fusion_sequential
 from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
 
 # the router kernel's masked lanes divide by zero in Triton's interpreter (numpy warns; the
@@ -1062,3 +1063,50 @@ def test_a_step_frees_its_graph_without_the_cycle_collector(chain, mode):
 
     step()  # plans and first-call state are built outside the measured step
     assert _graph_in_cycles(step) == []
+
+
+def _autocast_chains():
+    E, H, F_ = 4, 16, 8
+    return {
+        "grouped_mlp": mf.Sequential(
+            mf.GroupedLinear(E, H, 2 * F_), mf.ScaledSwiGLU(), mf.GroupedLinear(E, F_, H)
+        ),
+        "linear_rmsnorm": mf.Sequential(mf.Linear(H, H), mf.RMSNorm(H)),
+    }
+
+
+@pytest.mark.parametrize("name", ["grouped_mlp", "linear_rmsnorm"])
+def test_autocast_runs_the_chain_in_one_dtype(name):
+    """Under torch.autocast a chain whose parameters have the region's dtype runs in it (x
+    cast, autocast off inside: as outside the region on the cast x); one with other
+    parameters runs in theirs, with a one-time warning, instead of failing in backward."""
+    torch.manual_seed(0)
+    R = 20
+    x = torch.randn(R, 16)
+    extras = (torch.tensor([5, 5, 12, R], dtype=torch.int32), torch.rand(R))
+    chain = _autocast_chains()[name]
+    args = extras if name == "grouped_mlp" else ()
+    fusion_sequential._warn_autocast.cache_clear()
+    warns = pytest.warns(UserWarning, match=r"runs in its parameters' dtype torch\.float32")
+    with warns, torch.autocast("cpu", dtype=torch.float16):
+        y = chain(x, *args)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    torch.testing.assert_close(y, chain(x, *args), rtol=0, atol=0)
+    chain.zero_grad(set_to_none=True)
+    half = chain.half()
+    xh = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = half(xh, *args)
+    assert y.dtype == torch.float16
+    g = torch.randn_like(y)
+    y.backward(g)
+    want_x = x.half().requires_grad_()
+    grads = [p.grad.clone() for p in half.parameters()]
+    half.zero_grad()
+    want = half(want_x, *args)
+    want.backward(g)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    torch.testing.assert_close(xh.grad, want_x.grad.float(), rtol=0, atol=0)
+    for got, p in zip(grads, half.parameters()):
+        torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
