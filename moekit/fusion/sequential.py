@@ -23,6 +23,7 @@ from torch import nn
 from moekit.fusion.op import BasicOp, OpContext, add_grad
 from moekit.fusion.plan import Facts, Plan, make_plan
 from moekit.fusion.registry import settings_key
+from moekit.ops.autocast import autocast_on
 from moekit.ops.custom_op import eager_shortcut, function_apply
 from moekit.runtime.device import use_triton
 
@@ -333,7 +334,7 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if torch.is_autocast_enabled(x.device.type):
+        if autocast_on(x.device.type):
             return self._forward_under_autocast(x, args, kwargs)
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
@@ -373,16 +374,25 @@ class Sequential(nn.Module):
         """Inside a ``torch.autocast`` region. The chain's ops save what their backward reads
         in the forward's dtypes, so the chain runs in one dtype with autocast off: the
         region's when its parameters have it, else (with a one-time warning) its parameters'
-        own, as outside the region. ``x`` is cast to that dtype."""
+        own, as outside the region. ``x`` is cast to that dtype, and so are the floating extra
+        inputs of x's shape and dtype (a residual stream travelling with it)."""
         dtype = torch.get_autocast_dtype(x.device.type)
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
         for p in self._params:
             if p.is_floating_point() and p.dtype != dtype:
-                _warn_autocast(dtype, p.dtype)
+                if not torch.compiler.is_compiling():
+                    _warn_autocast(dtype, p.dtype)
                 dtype = p.dtype
                 break
         if x.is_floating_point() and x.dtype != dtype:
+
+            def cast(v: Any) -> Any:
+                alike = isinstance(v, torch.Tensor) and v.dtype == x.dtype and v.shape == x.shape
+                return v.to(dtype) if alike else v
+
+            args = tuple(cast(v) for v in args)
+            kwargs = {k: cast(v) for k, v in kwargs.items()}
             x = x.to(dtype)
         with torch.autocast(x.device.type, enabled=False):
             return self.forward(x, *args, **kwargs)

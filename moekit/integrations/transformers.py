@@ -186,7 +186,7 @@ def moekit_experts_forward(
         return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
     w1, w2 = self.gate_up_proj, self.down_proj
     # autocast may hand fp32 activations to bf16 weights, or run fp32 weights in bf16
-    x = hidden_states.to(autocast_dtype(hidden_states.device.type) or w1.dtype)
+    x = hidden_states.to(autocast_dtype(hidden_states.device.type, w1.shape[-1]) or w1.dtype)
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
     activation = _activation(self)
     y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)

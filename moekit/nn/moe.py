@@ -17,7 +17,7 @@ from moekit.activations import apply_activation, resolve_activation
 from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_same_tokens
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
-from moekit.ops.autocast import autocast_tensors
+from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.permute import permute, unpermute
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
@@ -194,9 +194,9 @@ class MoELayer(nn.Module):
         tokens = x.reshape(-1, H)
         if tokens.stride(-1) != 1:  # e.g. a transposed [T, H] view: permute reads unit-stride rows
             tokens = tokens.contiguous()
-        if torch.is_autocast_enabled(tokens.device.type):
+        if autocast_on(tokens.device.type):
             # the experts would cast their rows anyway (k per token): cast the tokens once
-            (tokens,) = autocast_tensors(tokens.device.type, tokens)
+            (tokens,) = autocast_tensors(tokens.device.type, (tokens,), (H,))
         r = self.router(tokens)
         self.last_counts = r.counts
         self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()

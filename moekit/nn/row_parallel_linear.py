@@ -92,8 +92,13 @@ class RowParallelLinear(nn.Module):
         full = torch.empty(self.out_features, self.in_features, device=w.device, dtype=w.dtype)
         nn.init.kaiming_uniform_(full, a=5**0.5)
         lo = self.rank * self.in_per_rank
+        mine = full[:, lo : lo + self.in_per_rank]
+        if hasattr(w, "device_mesh") and hasattr(w, "placements"):  # sharded (FSDP2 DTensor)
+            from torch.distributed.tensor import distribute_tensor
+
+            mine = distribute_tensor(mine, w.device_mesh, w.placements)
         with torch.no_grad():
-            w.copy_(full[:, lo : lo + self.in_per_rank])
+            w.copy_(mine)
 
     def _local(self) -> bool:
         """True when the layer runs on one process without torch.distributed (built and called

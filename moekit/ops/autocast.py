@@ -5,28 +5,43 @@ lower-precision dtype, casting fp32 inputs and weights on the way in; gradients 
 through the casts to the fp32 parameters. moekit's GEMM ops (``grouped_mm``,
 ``grouped_linear``, ``grouped_mlp``) follow the same rule, so a model trained with autocast
 and fp32 weights runs its experts in bf16/fp16 like the rest of the model, instead of in fp32
-(slow) or raising on mixed dtypes.
+(slow) or raising on mixed dtypes. One difference: moekit's GEMMs need rows of 16-byte
+multiples, so a call whose sizes would not be in the region's dtype keeps its own dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["autocast_dtype", "autocast_tensors"]
+__all__ = ["autocast_dtype", "autocast_on", "autocast_tensors"]
 
 
-def autocast_dtype(device_type: str) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` runs matmuls in on this device type; None outside a region."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return None
+def autocast_on(device_type: str) -> bool:
+    """Whether an autocast region is active for this device type (False for device types
+    autocast does not know, e.g. meta)."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
-def autocast_tensors(device_type: str, *tensors: torch.Tensor | None) -> tuple:
-    """``tensors`` as an autocast matmul takes them: inside a region, every floating-point one
-    except fp64 (autocast leaves double alone) cast to the region's dtype (a differentiable
-    ``.to``); outside, unchanged. None entries stay None."""
-    dtype = autocast_dtype(device_type)
+def autocast_dtype(device_type: str, *sizes: int) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` runs matmuls in on this device type; None outside a region,
+    or where one of ``sizes`` (the GEMM's row widths) would not span a multiple of 16 bytes in
+    that dtype."""
+    if not autocast_on(device_type):
+        return None
+    dtype = torch.get_autocast_dtype(device_type)
+    width = torch.finfo(dtype).bits // 8
+    for n in sizes:
+        if (n * width) % 16:
+            return None
+    return dtype
+
+
+def autocast_tensors(device_type: str, tensors: tuple, sizes: tuple = ()) -> tuple:
+    """``tensors`` as an autocast matmul takes them: inside a region (and with ``sizes``
+    aligned in its dtype, see :func:`autocast_dtype`), every floating-point one except fp64
+    (autocast leaves double alone) cast to the region's dtype (a differentiable ``.to``);
+    otherwise unchanged. None entries stay None."""
+    dtype = autocast_dtype(device_type, *sizes)
     if dtype is None:
         return tensors
     return tuple(

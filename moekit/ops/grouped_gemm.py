@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
-from moekit.ops.autocast import autocast_tensors
+from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import (
     FLOAT_DTYPES,
@@ -450,11 +450,15 @@ def grouped_mm(
     Returns:
         [T, N] (ragged M) or [E, M, N] (ragged K); ``out`` itself when given.
 
-    Inside a ``torch.autocast`` region, a, b and bias are first cast to its dtype (as
-    ``torch.mm`` does) and ``out_dtype`` defaults to that dtype.
+    Inside a ``torch.autocast`` region and without ``out`` (as ``torch.mm``, whose ``out=``
+    form autocast leaves alone), a, b and bias are first cast to its dtype, which then is the
+    default ``out_dtype``; unless the aligned sizes above would not span a multiple of 16
+    bytes in it, which keeps the call in its own dtype.
     """
-    if isinstance(a, torch.Tensor) and torch.is_autocast_enabled(a.device.type):
-        a, b, bias = autocast_tensors(a.device.type, a, b, bias)
+    if isinstance(a, torch.Tensor) and autocast_on(a.device.type):
+        if out is None and isinstance(b, torch.Tensor) and a.dim() == 2:
+            aligned = (a.shape[1] if b.dim() == 3 else a.shape[0], b.shape[-1])
+            a, b, bias = autocast_tensors(a.device.type, (a, b, bias), aligned)
         with torch.autocast(a.device.type, enabled=False):  # the op's own torch calls as-is
             return grouped_mm(
                 a, b, offsets, out_dtype=out_dtype, out=out, accumulate=accumulate, bias=bias,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moekit.ops import validation as v
-from moekit.ops.autocast import autocast_tensors
+from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.custom_op import function_apply, refuse_double_backward
 from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
 
@@ -104,10 +104,14 @@ def grouped_linear(
 
     Inside a ``torch.autocast`` region, x, weight and bias are first cast to its dtype (as
     ``F.linear`` does; the weight's gradient then reaches ``.grad`` through the cast, not
-    ``main_grad``).
+    ``main_grad``), unless in_features or out_features would not span a multiple of 16 bytes
+    in it (the call then keeps its own dtype).
     """
-    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
-        x, cast_weight, bias = autocast_tensors(x.device.type, x, weight, bias)
+    if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
+        cast_weight = weight
+        if isinstance(weight, torch.Tensor) and weight.dim() == 3:
+            aligned = (weight.shape[1], weight.shape[2])
+            x, cast_weight, bias = autocast_tensors(x.device.type, (x, weight, bias), aligned)
         if cast_weight is not weight:
             main_grad = None  # the gradient reaches the weight through the cast
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
-from moekit.ops.autocast import autocast_tensors
+from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.custom_op import (
     eager_shortcut,
     function_apply,
@@ -795,10 +795,13 @@ def grouped_mlp(
 
     Inside a ``torch.autocast`` region, x, the weights and biases are first cast to its dtype
     (as ``F.linear`` does; the weights' gradients then reach ``.grad`` through the cast, not
-    ``main_grad``), and the result comes in that dtype.
+    ``main_grad``), and the result comes in that dtype; unless H would not span a multiple of
+    16 bytes in it, which keeps the call in its own dtype.
     """
-    if isinstance(x, torch.Tensor) and torch.is_autocast_enabled(x.device.type):
-        x, w1, w2, b1, b2 = autocast_tensors(x.device.type, x, w1, w2, b1, b2)
+    if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
+        if x.dim() == 2:
+            cast = autocast_tensors(x.device.type, (x, w1, w2, b1, b2), (x.shape[1],))
+            x, w1, w2, b1, b2 = cast
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
             return grouped_mlp(
                 x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,

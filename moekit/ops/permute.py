@@ -553,7 +553,12 @@ def _token_shape(shape: object, T: int, H: int) -> list[int]:
     dims = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
     if (
         not dims
-        or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in dims)
+        or any(
+            isinstance(d, bool)
+            or not isinstance(d, (int, torch.SymInt))
+            or (isinstance(d, int) and d < 0)
+            for d in dims
+        )
         or dims[-1] != H
         or math.prod(dims[:-1]) != T
     ):

@@ -1110,3 +1110,19 @@ def test_autocast_runs_the_chain_in_one_dtype(name):
     torch.testing.assert_close(xh.grad, want_x.grad.float(), rtol=0, atol=0)
     for got, p in zip(grads, half.parameters()):
         torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
+
+
+def test_autocast_casts_a_residual_travelling_with_the_input():
+    """A residual of x's shape and dtype is cast with x to the chain's dtype (an fp32 chain
+    fed fp16 activations under autocast)."""
+    torch.manual_seed(0)
+    chain = mf.Sequential(mf.Linear(16, 16), mf.AddExtraInput("residual"),
+                          mf.MakeExtraOutput("residual_out"), mf.RMSNorm(16))  # fmt: skip
+    x, r = torch.randn(6, 16).half(), torch.randn(6, 16).half()
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.float16):
+        warnings.simplefilter("ignore")  # the chain's parameters are fp32: it runs in fp32
+        y, r_out = chain(x, r)
+    assert y.dtype == r_out.dtype == torch.float32
+    want = chain(x.float(), r.float())
+    torch.testing.assert_close(y, want[0], rtol=0, atol=0)
+    torch.testing.assert_close(r_out, want[1], rtol=0, atol=0)

@@ -126,6 +126,17 @@ def test_output_in_the_input_shape_is_not_a_view(shared):
         y.sum().backward()
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_export_with_a_dynamic_batch(strict):
+    torch.manual_seed(6)
+    layer = MoELayer(16, 8, 4, 2)
+    x = torch.randn(3, 6, 16)
+    batch = torch.export.Dim.AUTO
+    exported = torch.export.export(layer, (x,), dynamic_shapes=({0: batch},), strict=strict)
+    x2 = torch.randn(5, 6, 16)
+    torch.testing.assert_close(exported.module()(x2), layer(x2))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_activation_checkpointing_gives_the_same_gradients(reentrant):
     """torch.utils.checkpoint over the layer (losses on, shared expert): the recomputed forward

@@ -102,3 +102,33 @@ def test_moe_layer_under_autocast():
 def test_gpu_ops_and_layer_under_bf16_autocast():
     _check_ops("cuda", torch.bfloat16, 1e-2)
     _check_layer("cuda", torch.bfloat16, 2e-2)
+
+
+def test_sizes_misaligned_in_the_autocast_dtype_keep_their_dtype():
+    # 12 fp32 elements span 48 bytes; 12 fp16 ones 24, not a 16-byte multiple: no cast
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 12, generator=g)
+    w1 = torch.randn(2, 8, 12, generator=g)
+    w2 = torch.randn(2, 12, 4, generator=g)
+    offsets = torch.tensor([4, 10], dtype=torch.int32)
+    calls = (
+        lambda: grouped_linear(x, w1, offsets),
+        lambda: grouped_mlp(x, offsets, w1, w2),
+        lambda: grouped_mm(x, w1.transpose(1, 2), offsets),
+    )
+    for call in calls:
+        with torch.autocast("cpu", dtype=torch.float16):
+            got = call()
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, call(), rtol=0, atol=0)
+
+
+def test_out_form_is_left_alone():
+    # as torch.mm(out=): autocast does not touch the out= form (nor its own torch calls)
+    x, w1, *_, offsets = _case("cpu")
+    x, w1 = x.detach(), w1.detach()
+    want = grouped_mm(x, w1.transpose(1, 2), offsets)
+    out = torch.zeros_like(want)
+    with torch.autocast("cpu", dtype=torch.float16):
+        grouped_mm(x, w1.transpose(1, 2), offsets, out=out)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
