@@ -16,10 +16,18 @@ import torch
 __all__ = ["autocast_dtype", "autocast_on", "autocast_tensors"]
 
 
+# Device types torch.autocast knows (``torch.is_autocast_enabled`` raises for others, e.g.
+# meta). A fixed set rather than ``torch.amp.is_autocast_available``, which Dynamo cannot
+# trace in every torch this runs on.
+_AUTOCAST_DEVICE_TYPES = frozenset(
+    ("cpu", "cuda", "xpu", "hpu", "mps", "mtia", "maia", "xla", "ipu", "privateuseone")
+)
+
+
 def autocast_on(device_type: str) -> bool:
     """Whether an autocast region is active for this device type (False for device types
     autocast does not know, e.g. meta)."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    return device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 
 def autocast_dtype(device_type: str, *sizes: int) -> torch.dtype | None:
