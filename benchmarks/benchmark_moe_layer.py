@@ -25,6 +25,12 @@ the logits GEMM): ``moekit.ops.route`` forward + backward against the torch comp
 and in a CUDA graph, with the host floor of a kernel-less autograd op of the same signature;
 its eager speed-up is the median over 5 rounds of the ratio within a round.
 
+With ``--autocast``: the same layer with fp32 parameters and an fp32 input under
+``torch.autocast(bfloat16)`` (the usual mixed-precision recipe), forward + backward, against
+the bf16 layer and the torch-native MoE with the same per-call weight casts; the cast floor is
+the bytes those casts move (fp32 weights read and bf16 written in the forward, bf16 gradients
+read and fp32 written in the backward) at the device copy rate measured in the same run.
+
 With ``--ep N`` (under torchrun, one process per GPU): the Qwen3-30B-A3B and DeepSeek-V3 layers
 (E = 128 and 256, split over the N ranks, T tokens per rank), moekit dropless and with
 ``capacity_factor`` against the torch-native layer with ``all_to_all_single``; tokens/s per GPU
@@ -37,6 +43,7 @@ Writes moe_layer.json (moe_layer_ep<N>.json) and a PNG under --out.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -263,7 +270,64 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     res["router_speedup_rounds"] = ratios
     res["router_speedup"] = statistics.median(ratios) if ratios else math.nan
     res["router_graph_speedup"] = res["router_torch_graph_us"] / res["router_moekit_graph_us"]
+    if args.autocast:
+        res.update(autocast_figures(spec, args, cuda, device, time_fn))
     return res
+
+
+def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
+    """fp32 parameters under bf16 autocast: moekit's layer (casts per call inside its ops),
+    the torch-native MoE with the same casts written out, and the bf16 layer as the
+    reference; the casts' byte floor at the measured copy rate."""
+    T, E, k, H, Fd, opts, _ = spec
+    low = torch.bfloat16
+    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, torch.float32, seed=0)
+    bf16 = copy.deepcopy(layer).to(low)
+    xb, dyb = x.detach().to(low).requires_grad_(), dy.to(low)
+    params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
+    ins, kopts = [x, *params], route_opts(layer)
+    fdev = device.split(":")[0]
+
+    def moekit_autocast():
+        with torch.autocast(fdev, dtype=low):
+            y = layer(x)
+        return torch.autograd.grad(y, ins, dy)
+
+    def torch_autocast():
+        cast = [p.to(low) for p in params]
+        y, aux = torch_moe(
+            x.to(low), *cast, k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts
+        )  # fmt: skip
+        return torch.autograd.grad([y.float(), aux], ins, [dy, torch.ones_like(aux)])
+
+    def moekit_bf16():
+        return torch.autograd.grad(bf16(xb), [xb, *bf16.parameters()], dyb)
+
+    fns = {"moekit_autocast": moekit_autocast, "torch_autocast": torch_autocast,
+           "moekit_bf16": moekit_bf16}  # fmt: skip
+    for fn in fns.values():
+        fn()
+    res: dict = {}
+    best, _ = interleaved_rounds(fns, 1 if args.quick else 3, time_fn, on_error=_report(res))
+    for c, ms in best.items():
+        res[f"{c}_ms"] = ms
+    res["autocast_speedup_vs_torch"] = best["torch_autocast"] / best["moekit_autocast"]
+    res["autocast_overhead_ms"] = best["moekit_autocast"] - best["moekit_bf16"]
+    n_params = sum(p.numel() for p in params)
+    res["autocast_cast_bytes"] = n_params * (4 + 2 + 2 + 4)
+    if cuda:
+        res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / copy_bytes_per_ms(device)
+    else:
+        res["autocast_cast_floor_ms"] = math.nan
+    return res
+
+
+def copy_bytes_per_ms(device) -> float:
+    """Device-to-device copy rate (bytes read + written per ms) of a 1 GiB buffer."""
+    src = torch.empty(2**29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=30)
+    return 2 * src.numel() * src.element_size() / ms
 
 
 def _report(res):
@@ -294,6 +358,21 @@ def table(rows) -> list[str]:
             f"{r['moekit_tflops']:>8.0f}{r['floor_ms']:>9.3f}{graph:>13}{peak:>15}"
             f"{router:>20}{r['router_speedup']:>6.2f}{r['router_graph_speedup']:>8.2f}"
             f"{r.get('moekit_recompute_peak_mib', math.nan):>11.0f}{r['max_over_mean_load']:>6.1f}"
+        )
+    return lines
+
+
+def autocast_table(rows) -> list[str]:
+    head = (
+        f"{'autocast (fp32 params)':<24}{'moekit ms':>10}{'torch ms':>10}{'× torch':>8}"
+        f"{'bf16 ms':>9}{'overhead ms':>12}{'cast floor ms':>14}"
+    )
+    lines = ["", head, "-" * len(head)]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:<24}{r['moekit_autocast_ms']:>10.3f}{r['torch_autocast_ms']:>10.3f}"
+            f"{r['autocast_speedup_vs_torch']:>8.2f}{r['moekit_bf16_ms']:>9.3f}"
+            f"{r['autocast_overhead_ms']:>12.3f}{r['autocast_cast_floor_ms']:>14.3f}"
         )
     return lines
 
@@ -473,6 +552,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one round, no per-expert loop")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU too")
     ap.add_argument("--shapes", nargs="*", default=None)
+    ap.add_argument("--autocast", action="store_true",
+                    help="also fp32 parameters under bf16 autocast")  # fmt: skip
     ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
     ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
     args = ap.parse_args()
@@ -495,6 +576,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     lines = table(rows)
+    if args.autocast:
+        lines += autocast_table(rows)
     v = verdict(rows) if cuda else {"pass": [], "fail": [], "note": "no targets off the GPU"}
     meta = {
         "device": torch.cuda.get_device_name() if cuda else "cpu",

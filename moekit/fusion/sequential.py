@@ -10,11 +10,10 @@ result for less host time.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import operator
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -107,14 +106,31 @@ class _Call:
     After the forward it holds no tensor that the Function returns: autograd points each
     returned tensor at the Function's node, which holds this call, and a reference back would
     make a cycle that keeps the whole graph (saved activations, the leaves' gradient
-    accumulators) alive until Python's garbage collector runs."""
+    accumulators) alive until Python's garbage collector runs. ``swap``: the parameter slots
+    and the per-call casts that stand in for the parameters (autocast), or None."""
 
-    __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "tensor_names")
+    __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "swap", "tensor_names")
 
-    def __init__(self, prog, env, tensor_names, out_names) -> None:
+    def __init__(self, prog, env, tensor_names, out_names, swap=None) -> None:
         self.prog, self.env, self.tensor_names, self.out_names = prog, env, tensor_names, out_names
+        self.swap = swap
         self.ctxs: list[OpContext] = []
         self.out_values: list[Any] = []  # per extra output: its value, or _RETURNED
+
+
+@contextlib.contextmanager
+def _swapped(slots: Sequence[tuple[nn.Module, str, int]], tensors: Sequence[torch.Tensor]):
+    """The ops' parameters replaced by ``tensors`` (slot ``(module, name, i)`` reads
+    ``tensors[i]``) for the duration: the ops read ``self.weight`` in both passes, so a
+    per-call cast must stand in for the parameter in both."""
+    old = [mod._parameters[name] for mod, name, _ in slots]
+    for mod, name, i in slots:
+        mod._parameters[name] = tensors[i]
+    try:
+        yield
+    finally:
+        for (mod, name, _), p in zip(slots, old):
+            mod._parameters[name] = p
 
 
 def _distinct(t: torch.Tensor, others) -> torch.Tensor:
@@ -161,6 +177,13 @@ class _PipelineFn(torch.autograd.Function):
                 "moekit.fusion.Sequential does not support a double backward (create_graph=True)"
             )
         call: _Call = ctx.call
+        if call.swap is not None:
+            with _swapped(*call.swap):
+                return _PipelineFn.run_backward(ctx, call, dy, douts)
+        return _PipelineFn.run_backward(ctx, call, dy, douts)
+
+    @staticmethod
+    def run_backward(ctx, call: _Call, dy: torch.Tensor | None, douts: tuple) -> tuple:
         prog, ctxs = call.prog, call.ctxs
         if not ctxs:
             raise RuntimeError(
@@ -256,6 +279,14 @@ class Sequential(nn.Module):
         if old is not None and len(old) == len(params) and all(map(operator.is_, old, params)):
             return  # another module's parameter: the plans hold
         self._params, self._slices = params, slices
+        # Where each parameter is registered (a shared one in every place), for per-call casts
+        index = {id(p): i for i, p in enumerate(params)}
+        self._slots = tuple(
+            (mod, name, index[id(p)])
+            for mod in self.modules()
+            for name, p in mod._parameters.items()
+            if p is not None and id(p) in index
+        )
         self._programs.clear()
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change
@@ -271,8 +302,9 @@ class Sequential(nn.Module):
     def _facts(self, x: torch.Tensor, requires_grad: bool) -> Facts:
         return Facts(x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, use_triton(x))
 
-    def _program(self, x: torch.Tensor, requires_grad: bool) -> _Program:
-        key = (x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, settings_key())
+    def _program(self, x: torch.Tensor, requires_grad: bool, casting: bool = False) -> _Program:
+        # ``casting``: the parameters are per-call casts (autocast), of other dtypes than theirs
+        key = (x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, settings_key(), casting)
         programs = self._programs
         prog = programs.get(key)
         if prog is not None:
@@ -292,8 +324,8 @@ class Sequential(nn.Module):
         requires_grad: bool | None = None,
     ) -> Plan:
         """The plan a call with main input ``x`` runs (default: an input of the parameters'
-        dtype and device). ``str(plan)`` lists each pass's steps and every decline with its
-        reason."""
+        dtype and device), inside a ``torch.autocast`` region when called in one.
+        ``str(plan)`` lists each pass's steps and every decline with its reason."""
         if x is None:
             p = self._params[0] if self._params else None
             x = torch.empty(
@@ -302,6 +334,13 @@ class Sequential(nn.Module):
             )  # fmt: skip
         if requires_grad is None:
             requires_grad = True
+        if self._params_generation != _param_generation[0]:
+            self._refresh_params()
+        if autocast_on(x.device.type):
+            x, _, _, casts = self._autocast_inputs(x, (), {}, cast=_cast_like)
+            if casts is not None:
+                with _swapped(self._slots, casts):
+                    return self._program(x, requires_grad, True).plan
         return self._program(x, requires_grad).plan
 
     def extra_repr(self) -> str:
@@ -334,19 +373,26 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if autocast_on(x.device.type):
-            return self._forward_under_autocast(x, args, kwargs)
         if self._params_generation != _param_generation[0]:
             self._refresh_params()
+        if autocast_on(x.device.type):
+            return self._forward_under_autocast(x, args, kwargs)
+        return self._run(x, args, kwargs, self._params)
+
+    def _run(
+        self, x: torch.Tensor, args: tuple, kwargs: dict, params: tuple, casts: bool = False
+    ) -> Any:
+        """One call with ``params`` standing in for the parameters (the parameters
+        themselves, or with ``casts`` their per-call casts, swapped in by the caller)."""
         names = self.extra_input_names
         if not kwargs and len(args) == len(names):  # every extra by position: nothing to check
             env = dict(zip(names, args))
         else:
             env = self._extras(args, kwargs)
         requires_grad = torch.is_grad_enabled() and (
-            x.requires_grad or _any_requires_grad(self._params) or _any_requires_grad(env.values())
+            x.requires_grad or _any_requires_grad(params) or _any_requires_grad(env.values())
         )
-        prog = self._program(x, requires_grad)
+        prog = self._program(x, requires_grad, casts)
         out_names = self.extra_output_names
         if prog.steps is not None and _all_true(prog.ready):
             for step in prog.steps:
@@ -359,43 +405,62 @@ class Sequential(nn.Module):
             return (y, *[env[n] for n in out_names]) if out_names else y
         tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
         tensors = [env.pop(n) for n in tensor_names]
-        call = _Call(prog, env, tensor_names, out_names)
+        call = _Call(prog, env, tensor_names, out_names, (self._slots, params) if casts else None)
         if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
-            outs = _apply_pipeline.direct(call, x, *tensors, *self._params)
+            outs = _apply_pipeline.direct(call, x, *tensors, *params)
         else:
-            outs = _PipelineFn.apply(call, x, *tensors, *self._params)
+            outs = _PipelineFn.apply(call, x, *tensors, *params)
         if not out_names:
             return outs
         it = iter(outs[1:])
         extra = [next(it) if v is _RETURNED else v for v in call.out_values]
         return (outs[0], *extra)
 
-    def _forward_under_autocast(self, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
-        """Inside a ``torch.autocast`` region. The chain's ops save what their backward reads
-        in the forward's dtypes, so the chain runs in one dtype with autocast off: the
-        region's when its parameters have it, else (with a one-time warning) its parameters'
-        own, as outside the region. ``x`` is cast to that dtype, and so are the floating extra
-        inputs of x's shape and dtype (a residual stream travelling with it)."""
+    def _autocast_inputs(
+        self, x: torch.Tensor, args: tuple, kwargs: dict, cast: Callable = torch.Tensor.to
+    ) -> tuple:
+        """(x, args, kwargs, casts) as a call inside an autocast region runs them: x, the
+        floating extra inputs of x's shape and dtype, and the floating parameters in the
+        region's dtype (fp64 left alone, as autocast does); ``casts`` is None when no
+        parameter needs one."""
         dtype = torch.get_autocast_dtype(x.device.type)
-        if self._params_generation != _param_generation[0]:
-            self._refresh_params()
-        for p in self._params:
-            if p.is_floating_point() and p.dtype != dtype:
-                if not torch.compiler.is_compiling():
-                    _warn_autocast(dtype, p.dtype)
-                dtype = p.dtype
-                break
-        if x.is_floating_point() and x.dtype != dtype:
 
-            def cast(v: Any) -> Any:
-                alike = isinstance(v, torch.Tensor) and v.dtype == x.dtype and v.shape == x.shape
-                return v.to(dtype) if alike else v
+        def eligible(t: Any) -> bool:
+            return (
+                isinstance(t, torch.Tensor)
+                and t.is_floating_point()
+                and t.dtype not in (dtype, torch.float64)
+            )
 
-            args = tuple(cast(v) for v in args)
-            kwargs = {k: cast(v) for k, v in kwargs.items()}
+        casts = None
+        if any(eligible(p) for p in self._params):
+            casts = tuple(cast(p, dtype) if eligible(p) else p for p in self._params)
+        if eligible(x):
+
+            def alike(v: Any) -> Any:
+                same = isinstance(v, torch.Tensor) and v.dtype == x.dtype and v.shape == x.shape
+                return v.to(dtype) if same else v
+
+            args = tuple(alike(v) for v in args)
+            kwargs = {k: alike(v) for k, v in kwargs.items()}
             x = x.to(dtype)
+        return x, args, kwargs, casts
+
+    def _forward_under_autocast(self, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """Inside a ``torch.autocast`` region the chain runs in the region's dtype with
+        autocast off, as the chain converted to that dtype would (``.to(dtype)``) run outside
+        it: x and the floating extra inputs of x's shape and dtype (a residual stream
+        travelling with it) are cast, and so is every floating parameter, per call, as
+        ``F.linear`` casts its weight. The ops read their parameters in the forward and the
+        backward, so the casts stand in for the parameters in both passes; gradients reach
+        the parameters through the casts, in their own dtype (their ``main_grad`` is not
+        used)."""
+        x, args, kwargs, casts = self._autocast_inputs(x, args, kwargs)
         with torch.autocast(x.device.type, enabled=False):
-            return self.forward(x, *args, **kwargs)
+            if casts is None:
+                return self._run(x, args, kwargs, self._params)
+            with _swapped(self._slots, casts):
+                return self._run(x, args, kwargs, casts, True)
 
     def reference(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """The chain in plain differentiable PyTorch, op by op (each op's ``reference``): the
@@ -408,15 +473,9 @@ class Sequential(nn.Module):
         return (x, *(env[n] for n in out_names)) if out_names else x
 
 
-@functools.cache
-def _warn_autocast(region: torch.dtype, params: torch.dtype) -> None:
-    warnings.warn(
-        f"moekit.fusion.Sequential under torch.autocast({region}) runs in its parameters' "
-        f"dtype {params} (it does not cast parameters per call): convert the chain "
-        f"(.to({region}), keeping fp32 master weights in the optimizer or in main_grad) to run "
-        f"it in {region}",
-        stacklevel=3,
-    )
+def _cast_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A stand-in for ``p.to(dtype)`` with no data (planning needs dtypes, not values)."""
+    return torch.empty_like(p, dtype=dtype).requires_grad_(p.requires_grad)
 
 
 def _any_requires_grad(values) -> bool:

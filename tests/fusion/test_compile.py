@@ -66,3 +66,27 @@ def test_pipeline_chain_compiles_with_graph_breaks():
     with mf.fusions(disable=["add_rmsnorm"]):  # basic ops without autograd forms: the pipeline
         assert len(seq.plan(inputs[0]).forward) == 4
         _compare(seq, inputs, fullgraph=False)
+
+
+def test_fp32_chain_under_autocast_compiles_into_one_graph():
+    """The per-call parameter casts of an autocast region trace too."""
+    seq = mf.Sequential(mf.Linear(H, H), mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H))
+    inputs = [torch.randn(8, H, requires_grad=True), torch.randn(8, H, requires_grad=True)]
+
+    def under_autocast(fn):
+        def call(*args):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(*args)
+
+        return call
+
+    want = _outputs_and_grads(under_autocast(seq), inputs)
+    want_w = seq[0].weight.grad.clone()
+    seq.zero_grad()
+    assert want[0][0].dtype == torch.bfloat16
+    torch._dynamo.reset()
+    compiled = torch.compile(seq, fullgraph=True, backend="aot_eager")
+    got = _outputs_and_grads(under_autocast(compiled), inputs)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(seq[0].weight.grad, want_w)

@@ -161,3 +161,39 @@ def test_step_is_sync_free_and_capturable(chain):
     eager = step()
     for got, want in zip(static, eager):
         assert _rel(got, want) < 1e-2
+
+
+def test_fp32_chain_under_autocast_runs_the_fused_mlp_in_bf16():
+    """An fp32 grouped-MLP chain under bf16 autocast: the parameters are cast per call, the
+    fused rule applies, and the result is the bf16-converted chain's, gradients in fp32; the
+    step is sync-free and capturable."""
+    E, H, F, R = 8, 256, 128, 2048
+    f32 = {"device": DEV, "dtype": torch.float32}
+    seq = mf.Sequential(
+        mf.GroupedLinear(E, H, 2 * F, **f32), mf.ScaledSwiGLU(), mf.GroupedLinear(E, F, H, **f32)
+    )
+    bf16 = copy.deepcopy(seq).bfloat16()
+    x = torch.randn(R, H, **f32, requires_grad=True)
+    offsets = _offsets([300, 0, 700, 48, 500, 100, 200, 200])
+    probs = torch.rand(R, **f32)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert "grouped_mlp" in seq.plan(x).fused("forward")
+        got = _run(lambda x: seq(x, offsets, probs), [x], list(seq.parameters()))
+    want = _run(lambda x: bf16(x.bfloat16(), offsets, probs), [x], list(bf16.parameters()))
+    assert got[0][0].dtype == torch.bfloat16
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert _rel(a, b) < 1e-6
+    assert all(p.grad.dtype == torch.float32 for p in seq.parameters())
+
+    def step():
+        for t in (x, *seq.parameters()):
+            t.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = seq(x, offsets, probs)
+        y.float().sum().backward()
+        return [t.grad for t in (x, *seq.parameters())]
+
+    graph, static = sync_free_capture(step)
+    graph.replay()
+    for a, b in zip(static, step()):
+        assert _rel(a, b) < 1e-2

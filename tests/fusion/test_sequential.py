@@ -8,6 +8,7 @@ reference. fp32 on the CPU; the grouped-MLP kernels run under ``TRITON_INTERPRET
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import re
 import warnings
@@ -29,7 +30,6 @@ from moekit.fusion import (
     unregister_fusion,
 )
 from moekit.fusion import registry as fusion_registry
-from moekit.fusion import sequential as fusion_sequential
 from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
 
 # the router kernel's masked lanes divide by zero in Triton's interpreter (numpy warns; the
@@ -1075,54 +1075,83 @@ def _autocast_chains():
     }
 
 
+@pytest.mark.parametrize("path", ["fused", "unfused"])
 @pytest.mark.parametrize("name", ["grouped_mlp", "linear_rmsnorm"])
-def test_autocast_runs_the_chain_in_one_dtype(name):
-    """Under torch.autocast a chain whose parameters have the region's dtype runs in it (x
-    cast, autocast off inside: as outside the region on the cast x); one with other
-    parameters runs in theirs, with a one-time warning, instead of failing in backward."""
+def test_autocast_casts_the_parameters_per_call(name, path):
+    """Under torch.autocast an fp32 chain runs in the region's dtype, as the chain converted
+    with .half() runs outside it (x and the parameters cast per call, autocast off inside), in
+    both passes; the gradients reach the fp32 parameters through the casts."""
+    if name == "grouped_mlp" and path == "fused" and not interpret_mode():
+        pytest.skip("the fused MLP on CPU needs TRITON_INTERPRET=1")
     torch.manual_seed(0)
     R = 20
     x = torch.randn(R, 16)
     extras = (torch.tensor([5, 5, 12, R], dtype=torch.int32), torch.rand(R))
     chain = _autocast_chains()[name]
     args = extras if name == "grouped_mlp" else ()
-    fusion_sequential._warn_autocast.cache_clear()
-    warns = pytest.warns(UserWarning, match=r"runs in its parameters' dtype torch\.float32")
-    with warns, torch.autocast("cpu", dtype=torch.float16):
-        y = chain(x, *args)
-    assert y.dtype == torch.float32
-    y.sum().backward()
-    torch.testing.assert_close(y, chain(x, *args), rtol=0, atol=0)
-    chain.zero_grad(set_to_none=True)
-    half = chain.half()
-    xh = x.clone().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.float16):
-        y = half(xh, *args)
-    assert y.dtype == torch.float16
-    g = torch.randn_like(y)
-    y.backward(g)
-    want_x = x.half().requires_grad_()
-    grads = [p.grad.clone() for p in half.parameters()]
-    half.zero_grad()
-    want = half(want_x, *args)
-    want.backward(g)
+    half = copy.deepcopy(chain).half()
+    ctx = fusions(disable=["all"]) if path == "unfused" else contextlib.nullcontext()
+    with ctx:
+        xa = x.clone().requires_grad_()
+        with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.float16):
+            warnings.simplefilter("error", UserWarning)  # no warning: nothing to warn about
+            y = chain(xa, *args)
+            plan = chain.plan(xa)
+        assert y.dtype == torch.float16
+        g = torch.randn_like(y)
+        y.backward(g)
+        xh = x.half().requires_grad_()
+        want = half(xh, *args)
+        want.backward(g)
+        assert str(plan) == str(half.plan(xh))
+    if name == "grouped_mlp":  # the casts have the input's dtype: the rule applies
+        assert ("grouped_mlp" in plan.fused("forward")) == (path == "fused"), plan
     torch.testing.assert_close(y, want, rtol=0, atol=0)
-    torch.testing.assert_close(xh.grad, want_x.grad.float(), rtol=0, atol=0)
-    for got, p in zip(grads, half.parameters()):
-        torch.testing.assert_close(got, p.grad, rtol=0, atol=0)
+    torch.testing.assert_close(xa.grad, xh.grad.float(), rtol=0, atol=0)
+    for p, q in zip(chain.parameters(), half.parameters()):
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, q.grad.float(), rtol=0, atol=0)
+    # the parameters are the chain's own again after the call
+    assert all(isinstance(p, torch.nn.Parameter) for p in chain.parameters())
+    assert chain(x, *args).dtype == torch.float32
+
+
+def test_autocast_leaves_a_chain_of_the_region_dtype_alone():
+    """Parameters already in the region's dtype: no casts; x is cast to it."""
+    torch.manual_seed(0)
+    chain = _autocast_chains()["linear_rmsnorm"].half()
+    x = torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = chain(x)
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y, chain(x.half()), rtol=0, atol=0)
+
+
+def test_autocast_casts_shared_parameters_once_per_call():
+    """A parameter registered in two ops (tied) is one cast; its gradient sums both uses."""
+    torch.manual_seed(0)
+    a, b = mf.Linear(16, 16), mf.Linear(16, 16)
+    b.weight = a.weight
+    chain = mf.Sequential(a, b)
+    assert len(list(chain.parameters())) == 1
+    x = torch.randn(5, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
+        chain(x).float().sum().backward()
+    half = copy.deepcopy(chain).half()
+    half(x.half()).float().sum().backward()
+    torch.testing.assert_close(a.weight.grad, half[0].weight.grad.float(), rtol=0, atol=0)
 
 
 def test_autocast_casts_a_residual_travelling_with_the_input():
-    """A residual of x's shape and dtype is cast with x to the chain's dtype (an fp32 chain
-    fed fp16 activations under autocast)."""
+    """A residual of x's shape and dtype is cast with x to the region's dtype (an fp32
+    residual stream under autocast)."""
     torch.manual_seed(0)
     chain = mf.Sequential(mf.Linear(16, 16), mf.AddExtraInput("residual"),
                           mf.MakeExtraOutput("residual_out"), mf.RMSNorm(16))  # fmt: skip
-    x, r = torch.randn(6, 16).half(), torch.randn(6, 16).half()
-    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.float16):
-        warnings.simplefilter("ignore")  # the chain's parameters are fp32: it runs in fp32
+    x, r = torch.randn(6, 16), torch.randn(6, 16)
+    with torch.autocast("cpu", dtype=torch.float16):
         y, r_out = chain(x, r)
-    assert y.dtype == r_out.dtype == torch.float32
-    want = chain(x.float(), r.float())
+    assert y.dtype == r_out.dtype == torch.float16
+    want = copy.deepcopy(chain).half()(x.half(), r.half())
     torch.testing.assert_close(y, want[0], rtol=0, atol=0)
     torch.testing.assert_close(r_out, want[1], rtol=0, atol=0)

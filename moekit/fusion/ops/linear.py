@@ -81,9 +81,14 @@ class Linear(BasicOp):
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(local_out, local_in, **kw))
         self.bias = nn.Parameter(torch.empty(local_out, **kw)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``torch.nn.Linear``'s initialisation, of this rank's shard (e.g. after building
+        on the meta device and ``to_empty``)."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
-            bound = 1 / math.sqrt(in_features)
+            bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
 
     def _check(self, x: torch.Tensor) -> None:
@@ -162,6 +167,10 @@ class Bias(BasicOp):
         if isinstance(features, bool) or not isinstance(features, int) or features < 1:
             raise ValueError(f"features must be a positive int, got {features!r}")
         self.bias = nn.Parameter(torch.zeros(features, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """Zeros (its initialisation)."""
+        nn.init.zeros_(self.bias)
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
         return x + self.bias, None

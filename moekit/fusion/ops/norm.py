@@ -82,6 +82,12 @@ class LayerNorm(BasicOp):
         self.weight = nn.Parameter(torch.ones(hidden_size, **kw))
         self.bias = nn.Parameter(torch.zeros(hidden_size, **kw)) if bias else None
 
+    def reset_parameters(self) -> None:
+        """Weight ones, bias zeros (its initialisation)."""
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
 
