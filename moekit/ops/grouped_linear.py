@@ -14,9 +14,13 @@ __all__ = ["check_features", "grouped_linear"]
 
 
 class _GroupedLinearFn(torch.autograd.Function):
+    """``master``: None, or the higher-precision weight that ``weight`` is a per-call cast of
+    (autocast): its gradient comes out of the wgrad kernel in its dtype directly."""
+
     @staticmethod
-    def forward(ctx, x, weight, offsets, bias, main_grad):
+    def forward(ctx, x, weight, offsets, bias, main_grad, master):
         ctx.save_for_backward(x, weight, offsets)
+        ctx.master_dtype = None if master is None else master.dtype
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grad = main_grad
@@ -34,8 +38,10 @@ class _GroupedLinearFn(torch.autograd.Function):
             if ctx.main_grad is not None:
                 ragged_k_out(grad.t(), x, offsets, ctx.main_grad, True)
             else:
-                dw = ragged_k(grad.t(), x, offsets, weight.dtype)  # [E, N, K]
-        return dx, dw, None, dbias, None
+                dw = ragged_k(grad.t(), x, offsets, ctx.master_dtype or weight.dtype)  # [E, N, K]
+        if ctx.master_dtype is not None:
+            return dx, None, None, dbias, None, dw
+        return dx, dw, None, dbias, None, None
 
 
 _apply_grouped_linear = function_apply(_GroupedLinearFn)
@@ -103,17 +109,31 @@ def grouped_linear(
     it in place by the wgrad kernel and ``weight.grad`` is left untouched (None).
 
     Inside a ``torch.autocast`` region, x, weight and bias are first cast to its dtype (as
-    ``F.linear`` does; the weight's gradient then reaches ``.grad`` through the cast, not
+    ``F.linear`` does; the weight's gradient then reaches ``.grad`` in the weight's dtype, not
     ``main_grad``), unless in_features or out_features would not span a multiple of 16 bytes
-    in it (the call then keeps its own dtype).
+    in it (the call then keeps its own dtype). A higher-precision weight that needs a gradient
+    is cast outside autograd, and the wgrad kernel writes its gradient in its dtype directly
+    (no gradient in the region's dtype for autograd to cast again).
     """
     if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
-        cast_weight = weight
+        cast_weight, master = weight, None
         if isinstance(weight, torch.Tensor) and weight.dim() == 3:
             aligned = (weight.shape[1], weight.shape[2])
-            x, cast_weight, bias = autocast_tensors(x.device.type, (x, weight, bias), aligned)
+            detached = weight.detach()
+            x, cast_weight, bias = autocast_tensors(x.device.type, (x, detached, bias), aligned)
+            if cast_weight is detached:
+                cast_weight = weight  # no cast
+            elif weight.requires_grad and torch.is_grad_enabled():
+                if torch.compiler.is_compiling():  # traced graphs fuse the cast themselves
+                    cast_weight = weight.to(cast_weight.dtype)
+                else:
+                    master = weight
+                    cast_weight.requires_grad_()
         if cast_weight is not weight:
-            main_grad = None  # the gradient reaches the weight through the cast
+            main_grad = None  # the gradient reaches the weight itself, not its main_grad
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
+            if master is not None:
+                checked = _check_inputs(x, cast_weight, offsets, bias, None)
+                return _apply_grouped_linear(*checked, master)
             return grouped_linear(x, cast_weight, offsets, bias, main_grad)
-    return _apply_grouped_linear(*_check_inputs(x, weight, offsets, bias, main_grad))
+    return _apply_grouped_linear(*_check_inputs(x, weight, offsets, bias, main_grad), None)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
-from moekit.ops.autocast import autocast_on, autocast_tensors
+from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors
 from moekit.ops.custom_op import (
     eager_shortcut,
     function_apply,
@@ -213,15 +213,16 @@ def _forward_impl(
 _forward = kernel_op("grouped_mlp_forward", fake=_forward_fake)(_forward_impl)
 
 
-def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype):
+def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype, w_dtype):
     """(wanted, shape, dtype) of each output of the backward kernel op: dx, dw1, dw2, dprobs,
-    db1, db2 (weight gradients that go to main_grad are not outputs)."""
+    db1, db2 (weight gradients that go to main_grad are not outputs); the weight gradients in
+    ``w_dtype``."""
     E, W1, H = w1.shape
     p_dtype = probs.dtype if probs is not None else x.dtype
     return (
         (needs[0], x.shape, x.dtype),
-        (needs[1] and mg1 is None, w1.shape, w1.dtype),
-        (needs[2] and mg2 is None, w2.shape, w2.dtype),
+        (needs[1] and mg1 is None, w1.shape, w_dtype),
+        (needs[2] and mg2 is None, w2.shape, w_dtype),
         (needs[3], (x.shape[0],), p_dtype),
         (needs[4], (E, W1), b1_dtype),
         (needs[5], (E, H), b2_dtype),
@@ -229,8 +230,8 @@ def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype):
 
 
 def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *rest):
-    needs, b1_dtype, b2_dtype = rest[5], rest[6], rest[7]
-    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
+    needs, grad_dtypes = rest[5], rest[6:9]
+    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, *grad_dtypes)
     # an output not computed: the empty fp32 tensor kernel_op's none_outputs puts in its place
     return tuple(
         x.new_empty(shape, dtype=dt) if want else x.new_empty(0, dtype=torch.float32)
@@ -258,6 +259,7 @@ def _backward_impl(
     needs: list[bool],  # gradients wanted: x, w1, w2, probs, b1, b2
     b1_dtype: torch.dtype,
     b2_dtype: torch.dtype,
+    w_dtype: torch.dtype,  # of the weight gradients (fp32 for fp32 weights cast per call)
     release: bool,  # free h and the activation as soon as they are consumed
     dy_owned: bool,  # nothing else holds dy: dx may take its memory once it is dead
     plan_uid: int,  # as in _forward_impl
@@ -266,7 +268,7 @@ def _backward_impl(
     not an output (not wanted, or a weight gradient that went to main_grad)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
     if x.shape[0] == 0:  # nothing to launch; main_grad stays as it is
-        spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype)
+        spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype, w_dtype)
         return tuple(
             torch.zeros(sh, dtype=dt, device=x.device) if want else None for want, sh, dt in spec
         )
@@ -280,7 +282,7 @@ def _backward_impl(
     dy_owned = (dy_owned or dy is not given) and dy.is_contiguous()
     return _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
-        (b1_dtype, b2_dtype), release, release and dy_owned, uid,
+        (b1_dtype, b2_dtype, w_dtype), release, release and dy_owned, uid,
     )  # fmt: skip
 
 
@@ -312,7 +314,7 @@ class _Backward:
         self.reuse_dy = reuse_dy
         self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
         self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
-        self.needs, self.bias_dtypes = needs, bdt
+        self.needs, self.grad_dtypes = needs, bdt  # b1's, b2's, the weights' gradients
         R, dev, dt = x.shape[0], x.device, x.dtype
         F_ = w2.shape[2]
         need_w2, need_p = needs[2], needs[3]
@@ -329,9 +331,11 @@ class _Backward:
         # _replay spells out every tensor.
         self.uid = uid
         if uid:
-            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype)
+            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt[2])
         else:
-            self.base = ("mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None)
+            self.base = (
+                "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt[2]
+            )  # fmt: skip
 
     def held_bytes(self) -> int:
         """What three segments would free early: h and the activation."""
@@ -343,10 +347,11 @@ class _Backward:
     def late_bytes(self) -> int:
         """What three segments allocate only after h and the activation are freed."""
         (E, W1, H), F_, es = self.w1.shape, self.w2.shape[2], self.x.element_size()
+        ws = self.grad_dtypes[2].itemsize
         need_x, need_w1, need_w2 = self.needs[:3]
         n = self.x.numel() * es if need_x else 0
-        n += E * W1 * H * es if need_w1 and self.mg1 is None else 0
-        return n + (E * H * F_ * es if need_w2 and self.mg2 is None else 0)
+        n += E * W1 * H * ws if need_w1 and self.mg1 is None else 0
+        return n + (E * H * F_ * ws if need_w2 and self.mg2 is None else 0)
 
     def first_of_its_configuration(self) -> bool:
         """True on the first backward of a configuration when one segment's peak fits in spare
@@ -364,8 +369,9 @@ class _Backward:
     def alloc_w2(self) -> None:
         x, (E, H, F_) = self.x, self.w2.shape
         if self.needs[2]:
-            self.t2 = self.mg2 if self.mg2 is not None else x.new_empty(E, H, F_)
-        self.db2 = x.new_empty(E, H, dtype=self.bias_dtypes[1]) if self.needs[5] else None
+            w_dt = self.grad_dtypes[2]
+            self.t2 = self.mg2 if self.mg2 is not None else x.new_empty(E, H, F_, dtype=w_dt)
+        self.db2 = x.new_empty(E, H, dtype=self.grad_dtypes[1]) if self.needs[5] else None
 
     def alloc_fc1(self, reuse_dy: bool) -> None:
         x, (E, W1, H) = self.x, self.w1.shape
@@ -373,8 +379,9 @@ class _Backward:
         if need_x:
             self.dx = self.dy if reuse_dy else x.new_empty(x.shape)
         if need_w1:
-            self.t1 = self.mg1 if self.mg1 is not None else x.new_empty(E, W1, H)
-        self.db1 = x.new_empty(E, W1, dtype=self.bias_dtypes[0]) if need_b1 else None
+            w_dt = self.grad_dtypes[2]
+            self.t1 = self.mg1 if self.mg1 is not None else x.new_empty(E, W1, H, dtype=w_dt)
+        self.db1 = x.new_empty(E, W1, dtype=self.grad_dtypes[0]) if need_b1 else None
 
     def dact(self) -> None:
         _dact(
@@ -432,11 +439,11 @@ class _Backward:
 
 
 def _run_backward(
-    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, release,
+    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, release,
     reuse_dy, uid,
 ):  # fmt: skip
     bwd = _Backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bias_dtypes, uid,
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, uid,
         reuse_dy,
     )  # fmt: skip
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES or bwd.first_of_its_configuration():
@@ -464,7 +471,7 @@ def _needs(needs_input_grad: tuple) -> list[bool]:
 
 
 def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, interleave,
-                            recompute, needs_input_grad, bias_dtypes, uid) -> None:  # fmt: skip
+                            recompute, needs_input_grad, grad_dtypes, uid) -> None:  # fmt: skip
     """On a configuration's first forward, start compiling its backward's kernels, so that
     they compile while the forward and the ops after it run (a new shape's first step otherwise
     compiles them only when the backward arrives, after everything else). The backward's
@@ -482,7 +489,7 @@ def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, i
     h, a = x.new_empty(R, W1), None if recompute else x.new_empty(R, F_)
     bwd = _Backward(
         x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, _activation(*act_args),
-        inter, _needs(needs_input_grad), bias_dtypes, uid, False,
+        inter, _needs(needs_input_grad), grad_dtypes, uid, False,
     )  # fmt: skip
     bwd.alloc_w2()
     bwd.alloc_fc1(reuse_dy=False)
@@ -490,16 +497,22 @@ def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, i
 
 
 class _GroupedMLPFn(torch.autograd.Function):
+    """``w1m`` / ``w2m``: None, or the higher-precision weights that ``w1`` / ``w2`` are
+    per-call casts of (autocast): their gradients come straight out of the kernels in their
+    dtype, instead of in x's dtype and cast again by autograd."""
+
     @staticmethod
     def forward(
         ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid,
         eager,  # the call checked eager_shortcut for all its tensors
+        w1m, w2m,
     ):  # fmt: skip
-        bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+        w_dtype = w1.dtype if w1m is None else w1m.dtype
+        grad_dtypes = (*(b.dtype if b is not None else x.dtype for b in (b1, b2)), w_dtype)
         if eager and uid and x.is_cuda and x.shape[0] > 0:
             _compile_backward_ahead(
                 x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute,
-                ctx.needs_input_grad, bias_dtypes, uid,
+                ctx.needs_input_grad, grad_dtypes, uid,
             )  # fmt: skip
         run = _forward.impl if eager else _forward
         y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
@@ -509,7 +522,8 @@ class _GroupedMLPFn(torch.autograd.Function):
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grads = (mg1, mg2)
-        ctx.bias_dtypes = bias_dtypes
+        ctx.grad_dtypes = grad_dtypes
+        ctx.masters = w1m is not None
         ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if recompute else a, b1)
         return y
 
@@ -527,14 +541,20 @@ class _GroupedMLPFn(torch.autograd.Function):
         owned = direct and owned_gradient(grad)
         dx, dw1, dw2, dp, db1, db2 = run(
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.bias_dtypes, direct, owned, ctx.plan_uid,
+            *ctx.grad_dtypes, direct, owned, ctx.plan_uid,
         )  # fmt: skip
         if run is _backward:  # the custom op returns an empty tensor for each None
             wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
             dx, dw1, dw2, dp, db1, db2 = (
                 t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
             )
-        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None
+        masters = (dw1, dw2) if ctx.masters else (None, None)
+        if ctx.masters:
+            dw1 = dw2 = None
+        return (
+            dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None,
+            *masters,
+        )  # fmt: skip
 
 
 _apply_grouped_mlp = function_apply(_GroupedMLPFn)
@@ -794,19 +814,53 @@ def grouped_mlp(
         through the same graph (``retain_graph=True``).
 
     Inside a ``torch.autocast`` region, x, the weights and biases are first cast to its dtype
-    (as ``F.linear`` does; the weights' gradients then reach ``.grad`` through the cast, not
-    ``main_grad``), and the result comes in that dtype; unless H would not span a multiple of
-    16 bytes in it, which keeps the call in its own dtype.
+    (as ``F.linear`` does; the weights' gradients then reach ``.grad``, in the weights' dtype,
+    not ``main_grad``), and the result comes in that dtype; unless H would not span a multiple
+    of 16 bytes in it, which keeps the call in its own dtype.
     """
+    masters = (None, None)
     if isinstance(x, torch.Tensor) and autocast_on(x.device.type):
         if x.dim() == 2:
-            cast = autocast_tensors(x.device.type, (x, w1, w2, b1, b2), (x.shape[1],))
-            x, w1, w2, b1, b2 = cast
+            x, w1, w2, b1, b2, masters = _autocast_inputs(x, w1, w2, b1, b2)
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
-            return grouped_mlp(
-                x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
-                recompute_activation=recompute_activation, b1=b1, b2=b2,
+            return _grouped_mlp(
+                x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation,
+                b1, b2, masters,
             )  # fmt: skip
+    return _grouped_mlp(
+        x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation, b1, b2,
+        masters,
+    )  # fmt: skip
+
+
+def _autocast_inputs(x, w1, w2, b1, b2) -> tuple:
+    """(x, w1, w2, b1, b2, masters) as an autocast region runs the call. Two weights of one
+    higher-precision dtype that need gradients (fp32 parameters) are cast outside autograd and
+    travel with the casts as ``masters``: the fused backward then writes their gradients in
+    their dtype directly, instead of in the region's dtype for autograd to cast again (which
+    moves three times the bytes). Otherwise every tensor goes through a differentiable cast."""
+    dev = x.device.type
+    dtype = autocast_dtype(dev, x.shape[1])
+    if (
+        dtype is not None
+        and isinstance(w1, torch.Tensor)
+        and isinstance(w2, torch.Tensor)
+        and w1.dtype == w2.dtype
+        and w1.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and w1.dtype != dtype
+        and (w1.requires_grad or w2.requires_grad)
+        and torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()  # traced graphs fuse the casts themselves
+    ):
+        x, b1, b2 = autocast_tensors(dev, (x, b1, b2), (x.shape[1],))
+        casts = tuple(w.detach().to(dtype).requires_grad_(w.requires_grad) for w in (w1, w2))
+        return x, *casts, b1, b2, (w1, w2)
+    return (*autocast_tensors(dev, (x, w1, w2, b1, b2), (x.shape[1],)), (None, None))
+
+
+def _grouped_mlp(
+    x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation, b1, b2, masters
+) -> torch.Tensor:
     mg1 = getattr(w1, "main_grad", None)
     mg2 = getattr(w2, "main_grad", None)
     plan = _plan(
@@ -817,7 +871,7 @@ def grouped_mlp(
     if reason is None:
         a = plan.act
         # one eager check for the whole call: the Function and its kernel ops skip theirs
-        eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2))
+        eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2, *masters))
         if not plan.for_backward:  # no gradient wanted (e.g. generation): no autograd node
             run = _forward.impl if eager else _forward
             return run(
@@ -827,7 +881,7 @@ def grouped_mlp(
         apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
         return apply(
             x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
-            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager,
+            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager, *masters,
         )  # fmt: skip
     if reason and reason not in _warned:
         _warned.add(reason)
@@ -837,6 +891,8 @@ def grouped_mlp(
             RuntimeWarning,
             stacklevel=2,
         )
+    if masters[0] is not None:  # the unfused ops differentiate through the casts themselves
+        w1, w2 = (m.to(x.dtype) for m in masters)
     return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
 
 
@@ -934,7 +990,7 @@ def grouped_mlp_backward(
         )  # fmt: skip
     act = plan.act
     mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
-    bias_dtypes = tuple(b.dtype if b is not None else x.dtype for b in (b1, b2))
+    grad_dtypes = (*(b.dtype if b is not None else x.dtype for b in (b1, b2)), w1.dtype)
     needs = [bool(n) for n in needs]
     needs[4] = needs[4] and b1 is not None
     needs[5] = needs[5] and b2 is not None
@@ -942,7 +998,7 @@ def grouped_mlp_backward(
         needs[3] = False
     out = _backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act.name, act.limit, act.alpha,
-        act.offset, plan.interleave or 0, needs, *bias_dtypes, False, False, plan.uid,
+        act.offset, plan.interleave or 0, needs, *grad_dtypes, False, False, plan.uid,
     )  # fmt: skip
     wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
     # the custom op (not plain eager) returns an empty tensor for each gradient not computed

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moekit.config import interpret_mode
 from moekit.nn import MoELayer
 from moekit.ops import grouped_linear, grouped_mlp, grouped_mm
 
@@ -98,10 +99,68 @@ def test_moe_layer_under_autocast():
     _check_layer("cpu", torch.float16, 2e-3)
 
 
+def _check_fused_mlp_weight_grads(device: str, dtype: torch.dtype) -> None:
+    """The fused grouped MLP writes fp32 weights' gradients in fp32 itself (not in the
+    region's dtype, cast by autograd): values a half-precision gradient cannot hold, equal to
+    the same call on pre-cast weights within that dtype's rounding."""
+    x, w1, w2, _, probs, offsets = _case(device, R=40, H=32, F=16)
+    with torch.autocast(device, dtype=dtype):
+        y = grouped_mlp(x, offsets, w1, w2, probs)
+    g = torch.randn(y.shape, device=device).to(dtype)
+    got = torch.autograd.grad(y, (x, w1, w2, probs), g)
+    cast = [t.detach().to(dtype).requires_grad_() for t in (x, w1, w2)]
+    want = torch.autograd.grad(grouped_mlp(cast[0], offsets, *cast[1:], probs), cast, g)
+    for name, a, b in zip(("w1", "w2"), got[1:3], want[1:3]):
+        assert a.dtype == torch.float32, name
+        assert not torch.equal(a, a.to(dtype).float()), f"{name}'s gradient went through {dtype}"
+        torch.testing.assert_close(a.to(dtype), b, msg=name)
+    torch.testing.assert_close(got[0], want[0].float(), rtol=0, atol=0)
+
+
+def _check_linear_weight_grad(device: str, dtype: torch.dtype) -> None:
+    """The same for grouped_linear's wgrad (and its bias gradient through the usual cast)."""
+    x, w1, _, b, _, offsets = _case(device, R=40, H=32, F=16)
+    with torch.autocast(device, dtype=dtype):
+        y = grouped_linear(x, w1, offsets, b)
+    g = torch.randn(y.shape, device=device).to(dtype)
+    got = torch.autograd.grad(y, (x, w1, b), g)
+    cast = [t.detach().to(dtype).requires_grad_() for t in (x, w1, b)]
+    want = torch.autograd.grad(grouped_linear(cast[0], cast[1], offsets, cast[2]), cast, g)
+    assert all(t.dtype == torch.float32 for t in got)
+    assert not torch.equal(got[1], got[1].to(dtype).float()), f"dW went through {dtype}"
+    torch.testing.assert_close(got[1].to(dtype), want[1])
+    for a, w in ((got[0], want[0]), (got[2], want[2])):
+        torch.testing.assert_close(a, w.float(), rtol=0, atol=0)
+
+
+def test_grouped_linear_writes_fp32_weight_gradients_directly():
+    _check_linear_weight_grad("cpu", torch.float16)
+
+
+@pytest.mark.skipif(not interpret_mode(), reason="the fused MLP on CPU needs TRITON_INTERPRET=1")
+def test_fused_mlp_writes_fp32_weight_gradients_directly():
+    _check_fused_mlp_weight_grads("cpu", torch.float16)
+
+
+def test_mixed_or_frozen_weights_cast_through_autograd():
+    """Weights of two dtypes, or that need no gradient, take the differentiable casts."""
+    x, w1, w2, _, probs, offsets = _case("cpu")
+    for a, b in ((w1, w2.detach().half()), (w1.detach(), w2.detach())):
+        with torch.autocast("cpu", dtype=torch.float16):
+            y = grouped_mlp(x, offsets, a, b, probs)
+        want = grouped_mlp(x.half(), offsets, a.half(), b.half(), probs)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        y.float().sum().backward()
+        assert x.grad is not None and (a.grad is not None) == a.requires_grad
+        x.grad = a.grad = None
+
+
 @pytest.mark.gpu
 def test_gpu_ops_and_layer_under_bf16_autocast():
     _check_ops("cuda", torch.bfloat16, 1e-2)
     _check_layer("cuda", torch.bfloat16, 2e-2)
+    _check_fused_mlp_weight_grads("cuda", torch.bfloat16)
+    _check_linear_weight_grad("cuda", torch.bfloat16)
 
 
 def test_sizes_misaligned_in_the_autocast_dtype_keep_their_dtype():
@@ -132,3 +191,25 @@ def test_out_form_is_left_alone():
     with torch.autocast("cpu", dtype=torch.float16):
         grouped_mm(x, w1.transpose(1, 2), offsets, out=out)
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_compiled_ops_under_autocast_match_eager():
+    """torch.compile(fullgraph=True) of the ops under autocast: values and fp32 gradients as
+    in eager (where fp32 weights are cast outside autograd)."""
+    x, w1, w2, _, probs, offsets = _case("cpu", R=40, H=32, F=16)
+
+    def fn(x, w1, w2, probs):
+        with torch.autocast("cpu", dtype=torch.float16):
+            h = grouped_linear(x, w1[:, :32], offsets)
+            return grouped_mlp(h, offsets, w1, w2, probs)
+
+    leaves = (x, w1, w2, probs)
+    want = fn(*leaves)
+    want_grads = torch.autograd.grad(want.float().sum(), leaves)
+    torch._dynamo.reset()
+    got = torch.compile(fn, fullgraph=True, backend="aot_eager")(*leaves)
+    got_grads = torch.autograd.grad(got.float().sum(), leaves)
+    torch.testing.assert_close(got, want)
+    for a, w in zip(got_grads, want_grads):  # within half-precision rounding
+        assert a.dtype == w.dtype == torch.float32
+        assert float((a - w).norm() / w.norm()) < 1e-3
