@@ -422,15 +422,20 @@ def plot(rows, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     names = [r["shape"] for r in rows]
     xs = range(len(rows))
-    ax.bar([i - 0.2 for i in xs], [r["speedup_vs_torch"] for r in rows], 0.4, label="MoELayer")
-    ax.bar([i + 0.2 for i in xs], [r["router_speedup"] for r in rows], 0.4, label="router alone")
+    bars = [("MoELayer", "speedup_vs_torch"), ("router alone", "router_speedup")]
+    if all("autocast_speedup_vs_torch" in r for r in rows):
+        bars.append(("MoELayer, fp32 params under autocast", "autocast_speedup_vs_torch"))
+    width = 0.8 / len(bars)
+    for j, (label, key) in enumerate(bars):
+        at = [i - 0.4 + (j + 0.5) * width for i in xs]
+        ax.bar(at, [r[key] for r in rows], width, label=label)
     for i, r in enumerate(rows):
         if r.get("target"):
-            ax.plot([i - 0.4, i], [r["target"]] * 2, "k--", lw=1)
+            ax.plot([i - 0.4, i - 0.4 + width], [r["target"]] * 2, "k--", lw=1)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(list(xs), names, rotation=15)
     ax.set_ylabel("speed-up over torch-native (fwd+bwd)")
-    ax.legend()
+    ax.legend(loc="lower center", fontsize=8)
     save_figure(fig, path)
 
 
