@@ -116,6 +116,7 @@ SHRINK = {
 FAMILY: dict[str, dict] = {
     "deepseek_ocr2": {"mlp_layer_types": ["sparse"] * LAYERS},
     "dots1": {"n_shared_experts": 1},
+    "ernie4_5_moe": {"moe_layer_start_index": 0, "moe_layer_end_index": LAYERS - 1},
     "ernie4_5_vl_moe": {
         "moe_intermediate_size": [32, 32],
         "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0,
@@ -137,15 +138,20 @@ FAMILY: dict[str, dict] = {
     "hy_v4_vl": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                      "mrope_section": [2, 1, 1]}},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # read by the talker's MoE block, though its config class has no such field
+    "qwen3_omni_moe:talker": {"shared_expert_intermediate_size": 32},
     "qwen4_exp": {
         "indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
         "indexer_budget": 8, "indexer_compress_ratio": 2, "hc_lowrank": 16,
     },
     "zaya": {"num_experts_per_tok": 1},  # ZAYA supports top-1 only
 }  # fmt: skip
-# Model class by family, where the rule (ForCausalLM, else TextModel, else Model) is wrong.
-MODEL_CLASS: dict[str, str] = {}
+# Model class by family, where the rule (ForCausalLM, else TextModel, else Model) is wrong, and
+# further rows "family:variant" for a second experts-bearing model of a family.
+MODEL_CLASS: dict[str, str] = {"qwen3_omni_moe:talker": "Qwen3OmniMoeTalkerModel"}
 SKIP: dict[str, str] = {}
+# Targets whose model takes inputs_embeds only (no token embedding of its own).
+EMBEDS_INPUT = {"qwen3_omni_moe:talker"}
 
 
 def families() -> list[str]:
@@ -158,11 +164,19 @@ def families() -> list[str]:
     return sorted(found)
 
 
-def model_class(family: str) -> type:
+def targets() -> list[str]:
+    """The families, and their extra variants present in this transformers."""
+    found = families()
+    extra = [t for t in MODEL_CLASS if ":" in t and t.split(":")[0] in found]
+    return sorted(found + extra)
+
+
+def model_class(target: str) -> type:
+    family = target.split(":")[0]
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     names = [n for n in getattr(module, "__all__", []) if "PreTrained" not in n]
-    if family in MODEL_CLASS:
-        return getattr(module, MODEL_CLASS[family])
+    if target in MODEL_CLASS:
+        return getattr(module, MODEL_CLASS[target])
     for suffix in ("ForCausalLM", "TextModel", "Model"):
         hits = sorted((n for n in names if n.endswith(suffix)), key=len)
         if hits:
@@ -232,12 +246,45 @@ def tiny_config(family: str, config_class: type):
 _DROP = object()  # a FAMILY value: do not pass this key
 
 
+def build(cls: type, config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls._from_config(config, experts_implementation="eager").float().train()
+
+
+def fix_init(model: torch.nn.Module, twin: torch.nn.Module) -> list[str]:
+    """Re-draw (normal, std 0.02) what the model's own init left unusable: tensors it never
+    initialised (they differ from those of ``twin``, built from the same seed, are not finite or
+    are huge, or are [E, ., .] expert weights far from a random init's scale), and all-zero
+    routers, whose ties would send every token to the same experts. Returns the names."""
+    fixed = []
+    generator = torch.Generator().manual_seed(4)
+    twins = dict(twin.named_parameters())
+    experts = {f"{m}.{p}" for m, mod in model.named_modules() if hasattr(mod, "has_gate")
+               for p, _ in mod.named_parameters(recurse=False)}  # fmt: skip
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if not param.is_floating_point():
+                continue
+            garbage = (
+                not torch.equal(param, twins[name])  # torch.empty memory differs per build...
+                or not torch.isfinite(param).all()
+                or param.abs().max() > 1e3
+                # ...or not: random expert weights have a std near the init's 0.02
+                or (name in experts and param.dim() == 3 and not 1e-4 < param.std() < 1.0)
+            )
+            router = "router" in name or name.endswith("gate.weight")
+            if garbage or (router and param.dim() == 2 and not param.any()):
+                param.copy_(0.02 * torch.randn(param.shape, generator=generator))
+                fixed.append(name)
+    return fixed
+
+
 def experts_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "has_post_expert_norm")]
 
 
-def run(model, ids, causal: bool):
-    """logits, loss, grads, experts calls, grouped_mlp calls, warnings."""
+def run(model, inputs: dict, causal: bool):
+    """logits, loss, grads, {experts calls, grouped_mlp calls}, moekit's warnings."""
     calls = {"experts": 0, "grouped_mlp": 0}
     hooks = [
         m.register_forward_hook(lambda *_: calls.__setitem__("experts", calls["experts"] + 1))
@@ -257,10 +304,10 @@ def run(model, ids, causal: bool):
             torch.manual_seed(1)  # any dropout / jitter draws the same numbers in both runs
             model.zero_grad(set_to_none=True)
             if causal:
-                out = model(input_ids=ids, labels=ids)
+                out = model(**inputs, labels=inputs["input_ids"])
                 logits, loss = out.logits, out.loss
             else:
-                out = model(input_ids=ids)
+                out = model(**inputs)
                 logits = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
                 probe = torch.randn(logits.shape, generator=torch.Generator().manual_seed(3))
                 loss = (logits.float() * probe).mean()
@@ -307,15 +354,19 @@ def check(family: str, verbose: bool = False) -> dict:
         cls = model_class(family)
         row["class"] = cls.__name__
         causal = cls.__name__.endswith("ForCausalLM")
-        torch.manual_seed(0)
         config = tiny_config(family, cls.config_class)
-        base = cls._from_config(config, experts_implementation="eager").float().train()
+        base, twin = (build(cls, config) for _ in range(2))
+        redrawn = fix_init(base, twin)
         models = {}
         for impl in IMPLEMENTATIONS:
             models[impl] = copy.deepcopy(base)
             models[impl].set_experts_implementation(impl)
         generator = torch.Generator().manual_seed(2)
-        ids = torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)
+        if family in EMBEDS_INPUT:
+            embeds = torch.randn(BATCH, SEQ, config.hidden_size, generator=generator)
+            inputs = {"inputs_embeds": embeds}
+        else:
+            inputs = {"input_ids": torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=generator)}
     except Exception as exc:
         if verbose:
             traceback.print_exc()
@@ -324,7 +375,7 @@ def check(family: str, verbose: bool = False) -> dict:
     results = {}
     for impl, model in models.items():
         try:
-            results[impl] = run(model, ids, causal)
+            results[impl] = run(model, inputs, causal)
         except Exception as exc:
             if verbose:
                 traceback.print_exc()
@@ -351,6 +402,9 @@ def check(family: str, verbose: bool = False) -> dict:
     row["floor"] = floor
     impls = {m.config._experts_implementation for m in experts_modules(models["moekit"])}
     notes = [f"experts implementations {sorted(map(str, impls))}"] if impls != {"moekit"} else []
+    if redrawn:
+        kinds = sorted({n.rsplit(".", 1)[0].split(".")[-1] + "." + n.rsplit(".", 1)[1] for n in redrawn})
+        notes.append(f"re-drew {len(redrawn)} tensors the model's init left unusable: {', '.join(kinds)}")
     if fallbacks:
         row.update(verdict="fallback", detail="; ".join(fallbacks))
     elif calls["grouped_mlp"] != calls["experts"]:
@@ -386,7 +440,7 @@ def main() -> None:
     transformers.logging.set_verbosity_error()
     print(f"transformers {transformers.__version__}, torch {torch.__version__}", file=sys.stderr)
     rows = []
-    for family in args.families or families():
+    for family in args.families or targets():
         start = time.perf_counter()
         row = check(family, args.verbose)
         row["seconds"] = time.perf_counter() - start

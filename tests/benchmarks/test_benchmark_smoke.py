@@ -20,22 +20,23 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.mark.parametrize(
-    ("script", "stem", "interpret"),
+    ("script", "stem", "interpret", "extra"),
     [
-        ("benchmark_grouped_mlp.py", "grouped_mlp", False),
-        ("benchmark_permute.py", "permute_bench", True),
-        ("benchmark_small_shapes.py", "small_shapes", False),
-        ("benchmark_moe_layer.py", "moe_layer", False),
-        ("benchmark_hf.py", "hf", False),
-        ("benchmark_fusion.py", "fusion", False),
+        ("benchmark_grouped_mlp.py", "grouped_mlp", False, []),
+        ("benchmark_permute.py", "permute_bench", True, []),
+        ("benchmark_small_shapes.py", "small_shapes", False, []),
+        ("benchmark_moe_layer.py", "moe_layer", False, ["--autocast"]),
+        ("benchmark_hf.py", "hf", False, []),
+        ("benchmark_fusion.py", "fusion", False, []),
+        ("benchmark_sort_chunks.py", "sort_chunks", True, []),
     ],
 )
-def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret):
+def test_smoke_mode_runs_end_to_end(tmp_path, script, stem, interpret, extra):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     if interpret:
         env["TRITON_INTERPRET"] = "1"
     proc = subprocess.run(
-        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(tmp_path)],
+        [sys.executable, str(BENCHMARKS / script), "--smoke", "--out", str(tmp_path), *extra],
         env=env,
         capture_output=True,
         text=True,
