@@ -35,6 +35,11 @@ The copies are one program per token (``row_index[t, :]`` gives its k rows):
 * ``_gather_rows_kernel``   sums the k rows of a token in fp32, optionally weighted
   (unpermute forward; permute backward, with the prob gradient gathered alongside).
 
+``sort_chunks_row_map`` (the row map of ``sort_chunks_by_index``) is two launches: one program
+turns the C chunk sizes into their input end offsets and each chunk's row shift (destination
+start − source start, scattered by ``sorted_index``), then one program per block of rows finds
+each row's chunk by a binary search over the end offsets.
+
 Row offsets are int64 (``R·H`` passes 2^31 at real sizes). The launchers take their config
 (:mod:`moekit.tuning.permute` chooses it) and preallocated outputs; inputs are validated by the
 ops.
@@ -56,6 +61,7 @@ __all__ = [
     "metadata_scratch_numel",
     "routing_metadata",
     "scatter_rows",
+    "sort_chunks_row_map",
 ]
 
 # Rows per zero-fill program of the tail, and of an expert's padding (its bound is align − 1).
@@ -206,6 +212,77 @@ def routing_metadata(
         n, E, out_rows,
         ALIGN=align, BLOCK_N=block_n, POS_BITS=block_n.bit_length() - 1, E_PAD=e_pad,
         num_warps=config.rows_warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _chunk_shift_kernel(
+    sizes_ptr,  # [C] int: rows of each input chunk
+    index_ptr,  # [C] int: output chunk j is input chunk index[j]
+    src_end_ptr,  # [C] int64 out: cumulative end offsets of the input chunks
+    shift_ptr,  # [C] int64 out: destination start − source start of each input chunk
+    C,
+    C_PAD: tl.constexpr,
+):
+    c = tl.arange(0, C_PAD)
+    m = c < C
+    sizes = tl.load(sizes_ptr + c, mask=m, other=0).to(tl.int64)
+    src_end = tl.cumsum(sizes, 0)
+    idx = tl.load(index_ptr + c, mask=m, other=0).to(tl.int32)
+    idx = tl.minimum(tl.maximum(idx, 0), C_PAD - 1)
+    moved = tl.gather(sizes, idx, 0)  # sizes in output order
+    dst_start = tl.cumsum(moved, 0) - moved
+    src_start = tl.gather(src_end - sizes, idx, 0)
+    tl.store(src_end_ptr + c, src_end, mask=m)
+    tl.store(shift_ptr + idx, dst_start - src_start, mask=m)
+
+
+@triton.jit
+def _chunk_rows_kernel(
+    src_end_ptr,  # [C] int64
+    shift_ptr,  # [C] int64
+    out_ptr,  # [N] int32: destination row of each input row
+    N,
+    C,
+    STEPS: tl.constexpr,  # binary-search steps: C.bit_length()
+    BLOCK: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = n < N
+    lo = tl.zeros([BLOCK], dtype=tl.int32)
+    hi = tl.full([BLOCK], C, dtype=tl.int32)
+    for _ in tl.static_range(STEPS):  # lo = the number of chunks ending at or before n
+        active = lo < hi
+        mid = (lo + hi) // 2
+        end = tl.load(src_end_ptr + mid, mask=active & m, other=0)
+        right = active & (end <= n)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & ~right, mid, hi)
+    inside = m & (lo < C)  # rows past the last chunk keep their place
+    shift = tl.load(shift_ptr + lo, mask=inside, other=0)
+    tl.store(out_ptr + n, (n + shift).to(tl.int32), mask=m)
+
+
+_CHUNK_ROWS_BLOCK = 1024
+
+
+def sort_chunks_row_map(
+    split_sizes: torch.Tensor,  # [C] int, contiguous
+    sorted_index: torch.Tensor,  # [C] int, contiguous
+    out: torch.Tensor,  # [N] int32
+    scratch: torch.Tensor,  # [2·C] int64
+) -> None:
+    """The destination row of each of the N rows when the chunks are reordered (see
+    ``moekit.ops.sort_chunks_by_index``), in two launches; C ≥ 1."""
+    C, N = split_sizes.numel(), out.numel()
+    src_end, shift = scratch[:C], scratch[C:]
+    launch(
+        _chunk_shift_kernel, (1,), split_sizes, sorted_index, src_end, shift, C,
+        C_PAD=max(next_power_of_2(C), 2), num_warps=4,
+    )  # fmt: skip
+    launch(
+        _chunk_rows_kernel, (max(cdiv(N, _CHUNK_ROWS_BLOCK), 1),), src_end, shift, out, N, C,
+        STEPS=C.bit_length(), BLOCK=_CHUNK_ROWS_BLOCK, num_warps=4,
     )  # fmt: skip
 
 

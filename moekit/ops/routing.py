@@ -25,6 +25,7 @@ __all__ = [
     "routing_metadata_torch",
     "slot_values",
     "sort_chunks_row_map",
+    "sort_chunks_row_map_torch",
 ]
 
 
@@ -199,8 +200,45 @@ def sort_chunks_row_map(
     sorted_index: torch.Tensor,  # [C] int, output chunk j is input chunk sorted_index[j]
     num_rows: int,  # N, rows of x (≥ Σ split_sizes; the rows past the sum stay in place)
 ) -> torch.Tensor:
-    """Destination row of each input row when the chunks are reordered (``[N]`` int32): a few
-    small launches over C plus one searchsorted over N."""
+    """Destination row of each input row when the chunks are reordered (``[N]`` int32): two
+    Triton launches on CUDA (and in Triton's interpreter), a few torch ops on the CPU."""
+    if split_sizes.numel() == 0 or not use_triton(split_sizes):
+        return sort_chunks_row_map_torch(split_sizes, sorted_index, num_rows)
+    sizes = split_sizes if split_sizes.is_contiguous() else split_sizes.contiguous()
+    index = sorted_index if sorted_index.is_contiguous() else sorted_index.contiguous()
+    if eager_shortcut((sizes, index)):
+        return _chunk_row_map.impl(sizes, index, num_rows)
+    return _chunk_row_map(sizes, index, num_rows)
+
+
+def _chunk_row_map_fake(split_sizes, sorted_index, num_rows):
+    return split_sizes.new_empty(num_rows, dtype=torch.int32)
+
+
+@kernel_op("sort_chunks_row_map", fake=_chunk_row_map_fake)
+def _chunk_row_map(
+    split_sizes: torch.Tensor,  # [C] int, contiguous, C ≥ 1
+    sorted_index: torch.Tensor,  # [C] int, contiguous
+    num_rows: int,
+) -> torch.Tensor:
+    C, dev = split_sizes.numel(), split_sizes.device
+    out = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    scratch = torch.empty(2 * C, dtype=torch.int64, device=dev)
+    key = None
+    if split_sizes.is_cuda:
+        key = ("sort_chunks_row_map", tensor_key(split_sizes), tensor_key(sorted_index), num_rows)
+
+    def body() -> None:
+        kernels.sort_chunks_row_map(split_sizes, sorted_index, out, scratch)
+
+    replayed(key, (split_sizes, sorted_index, out, scratch), body)
+    return out
+
+
+def sort_chunks_row_map_torch(
+    split_sizes: torch.Tensor, sorted_index: torch.Tensor, num_rows: int
+) -> torch.Tensor:
+    """:func:`sort_chunks_row_map` in torch ops (the CPU path and the kernels' oracle)."""
     sizes = split_sizes.long()
     C = sizes.numel()
     src_end = torch.cumsum(sizes, 0)

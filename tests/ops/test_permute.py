@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moekit.config import interpret_mode
 from moekit.ops import routing
 from moekit.ops.custom_op import dispatcher_only
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
@@ -283,6 +284,35 @@ def test_sort_chunks_by_index(with_probs):
     torch.testing.assert_close(grads[0], g[row_map])
     if with_probs:
         torch.testing.assert_close(grads[1], row_map.float())
+
+
+@pytest.mark.parametrize(
+    ("sizes", "extra", "dtype"),
+    [
+        ([5], 0, torch.int64),  # one chunk
+        ([3, 0, 4], 2, torch.int32),  # an empty chunk, rows past the chunks
+        ([0, 0, 0], 4, torch.int64),  # every chunk empty
+        ("skewed_300", 7, torch.int32),  # C not a power of two, many chunks
+        ("skewed_1024", 0, torch.int64),
+    ],
+)
+def test_sort_chunks_row_map_kernel_matches_torch(sizes, extra, dtype):
+    """The two-launch row map (Triton, interpreter on CPU) equals the torch one."""
+    if not interpret_mode():
+        pytest.skip("the row-map kernels on CPU need TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    if isinstance(sizes, str):
+        C = int(sizes.split("_")[1])
+        t = torch.randint(0, 6, (C,), generator=g) * (torch.rand(C, generator=g) < 0.7)
+    else:
+        t, C = torch.tensor(sizes), len(sizes)
+    t = t.to(dtype)
+    order = torch.randperm(C, generator=g).to(dtype)
+    N = int(t.sum()) + extra
+    got = routing.sort_chunks_row_map(t, order, N)
+    want = routing.sort_chunks_row_map_torch(t, order, N)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+    assert torch.equal(got.sort().values, torch.arange(N, dtype=torch.int32))  # a permutation
 
 
 # ------------------------------------------------------------------------------------------------
