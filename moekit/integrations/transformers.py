@@ -189,6 +189,12 @@ def moekit_experts_forward(
     x = hidden_states.to(autocast_dtype(hidden_states.device.type, w1.shape[-1]) or w1.dtype)
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
     activation = _activation(self)
+    if getattr(self, "has_post_expert_norm", False):
+        # A norm of each expert's output comes before the routing weight (it would cancel a
+        # weight applied inside the activation): the weights go in at the combine instead.
+        y = grouped_mlp(d.hidden, d.offsets, w1, w2, None, activation=activation)
+        y = self.post_expert_norm(y)
+        return unpermute(y.to(x.dtype), d, weighted=True).to(hidden_states.dtype)
     y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)
     return unpermute(y, d, weighted=False).to(hidden_states.dtype)
 

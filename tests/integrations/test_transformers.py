@@ -220,6 +220,54 @@ def test_unsupported_experts_fall_back_with_a_warning():
     _falls_back_to("grouped_mm", model, ids)
 
 
+class _PostNormExperts(torch.nn.Module):
+    """An experts module as transformers' ``use_experts_implementation(has_post_expert_norm=True)``
+    sets it up (e.g. MuseSpark): each expert's output is normalised before its routing weight
+    applies."""
+
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
+    has_post_expert_norm = True
+
+    def __init__(self, E=4, H=16, F=8):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(E, 2 * F, H, generator=g) * H**-0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(E, H, F, generator=g) * F**-0.5)
+        self.act_fn = transformers.activations.ACT2FN["silu"]
+        self.post_expert_norm = torch.nn.RMSNorm(H, eps=1e-6)
+        with torch.no_grad():
+            self.post_expert_norm.weight.uniform_(0.5, 1.5, generator=g)
+
+    def reference(self, x, idx, w):
+        out = torch.zeros_like(x)
+        for t in range(x.shape[0]):
+            for s in range(idx.shape[1]):
+                e = int(idx[t, s])
+                gate, up = (self.gate_up_proj[e] @ x[t]).chunk(2)
+                o = self.down_proj[e] @ (self.act_fn(gate) * up)
+                out[t] = out[t] + w[t, s] * self.post_expert_norm(o)
+        return out
+
+
+def test_post_expert_norm_comes_before_the_routing_weights():
+    """Experts with a norm after each expert (before its routing weight): moekit runs them
+    (the weights applied at the combine) with the loop's values and gradients."""
+    experts = _PostNormExperts()
+    assert hf.unsupported(experts) is None
+    x = torch.randn(9, 16, requires_grad=True)
+    w, idx = torch.randn(9, 4).softmax(-1).topk(2, dim=-1)
+    w.requires_grad_()
+    got = hf.moekit_experts_forward(experts, x, idx, w)
+    g = torch.randn_like(got)
+    params = [x, w, *experts.parameters()]
+    got_grads = torch.autograd.grad(got, params, g)
+    want = experts.reference(x, idx, w)
+    want_grads = torch.autograd.grad(want, params, g)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_torch_compile_fullgraph_of_the_experts():
     model = tiny_model("qwen3_moe", "moekit")
     experts = model.model.layers[0].mlp.experts
