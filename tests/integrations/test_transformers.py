@@ -268,6 +268,27 @@ def test_post_expert_norm_comes_before_the_routing_weights():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_expert_parallel_sentinel_ids_are_dropped():
+    """Under transformers' expert parallelism a rank holds E_local experts and the slots
+    routed elsewhere arrive as ids >= E_local with zero weights: moekit drops them, as
+    transformers' batched_mm does (values and gradients)."""
+    moe = pytest.importorskip("transformers.integrations.moe")
+    experts = tiny_model("qwen3_moe", "moekit").model.layers[0].mlp.experts
+    experts._is_expert_parallel = True
+    E = experts.gate_up_proj.shape[0]
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 2 * E, (11, 2), generator=g)  # about half of them elsewhere
+    w = torch.where(idx >= E, 0.0, torch.rand(11, 2, generator=g)).requires_grad_()
+    x = torch.randn(11, COMMON["hidden_size"], generator=g, requires_grad=True)
+    params = [x, w, experts.gate_up_proj, experts.down_proj]
+    got = hf.moekit_experts_forward(experts, x, idx, w)
+    want = moe.batched_mm_experts_forward(experts, x, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    dy = torch.randn_like(got)
+    for a, b in zip(torch.autograd.grad(got, params, dy), torch.autograd.grad(want, params, dy)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def test_torch_compile_fullgraph_of_the_experts():
     model = tiny_model("qwen3_moe", "moekit")
     experts = model.model.layers[0].mlp.experts
