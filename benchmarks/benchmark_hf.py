@@ -13,6 +13,9 @@ Models: random-initialised Qwen3-MoE and OLMoE with the real MoE layer sizes of 
             tokens/s (decode steps route batch × top-k rows)
   experts   the first layer's experts module alone under no_grad, 1 and 16 tokens: wall µs
             per call of back-to-back calls (a decode step's experts work, host-bound)
+  train_autocast  (``--autocast``) the train pass of the same model with fp32 parameters under
+            ``torch.autocast(bfloat16)`` (what ``Trainer(bf16=True)`` does with an fp32
+            model), moekit against grouped_mm
 
 Each implementation runs on the same model (``set_experts_implementation``), timed with CUDA
 events after warm-up steps; generation runs take turns across the backends, best of 3 each. Writes hf.json and hf.png under --out.
@@ -52,6 +55,7 @@ SMOKE_MODELS = {
 }  # fmt: skip
 IMPLS = ("moekit", "grouped_mm", "batched_mm", "eager")
 TRAIN_TARGETS = {"grouped_mm": 1.5, "eager": 3.0}
+AUTOCAST_IMPLS = ("moekit", "grouped_mm")
 GENERATE_ROUNDS = 3
 
 
@@ -83,14 +87,17 @@ def seconds(fn, steps: int, cuda: bool) -> float:
     return start.elapsed_time(end) / 1e3 / steps
 
 
-def train_tokens_per_s(model, impl, seq, batch, steps, cuda) -> float:
+def train_tokens_per_s(model, impl, seq, batch, steps, cuda, autocast=False) -> float:
     model.set_experts_implementation(impl)
     model.train()
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device=model.device)
+    region = partial(torch.autocast, model.device.type, dtype=torch.bfloat16, enabled=autocast)
 
     def step():
         model.zero_grad(set_to_none=True)
-        model(input_ids=ids, labels=ids).loss.backward()
+        with region():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
 
     for _ in range(2):
         step()
@@ -140,12 +147,35 @@ def _guard(row: dict, fn) -> float:
         return float("nan")
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """One panel of tokens/s per pass that ran, a bar per backend and model."""
+    try:
+        plt = pyplot()
+    except ImportError:
+        return
+    passes = [p for p in ("train", "train_autocast", "generate1", "generate16")
+              if any(f"{p}_moekit" in r for r in rows)]  # fmt: skip
+    fig, axes = plt.subplots(1, len(passes), figsize=(4 * len(passes), 3.6), squeeze=False)
+    for ax, p in zip(axes[0], passes):
+        for j, r in enumerate(rows):
+            vals = [r.get(f"{p}_{i}") or 0.0 for i in IMPLS]
+            ax.bar([k + 0.4 * j for k in range(len(IMPLS))], vals, 0.4, label=r["model"])
+        ax.set_xticks([k + 0.2 for k in range(len(IMPLS))], IMPLS, rotation=20)
+        ax.set_title(p)
+        ax.set_ylabel("tokens/s")
+    axes[0][0].legend(fontsize=7)
+    save_figure(fig, path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--quick", action="store_true", help="fewer steps, no eager training")
     ap.add_argument("--smoke", action="store_true", help="tiny model; runs on CPU too")
     ap.add_argument("--batch", type=int, default=2, help="training sequences per step")
+    ap.add_argument("--autocast", action="store_true",
+                    help="also train an fp32 copy under bf16 autocast")  # fmt: skip
+    ap.add_argument("--train-only", action="store_true", help="skip generation and experts")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -166,7 +196,7 @@ def main() -> None:
                 )
         # generation: short runs with noisy host timing, so the backends take turns and each
         # keeps its best of GENERATE_ROUNDS
-        for rnd in range(1 if args.smoke else GENERATE_ROUNDS):
+        for rnd in range(0 if args.train_only else 1 if args.smoke else GENERATE_ROUNDS):
             for impl in IMPLS:
                 if impl == "eager" and rnd > 0:  # far behind the others: one round
                     continue
@@ -175,12 +205,23 @@ def main() -> None:
                     v = _guard(r, fn)
                     key = f"generate{b}_{impl}"
                     r[key] = max(r.get(key, v), v) if v == v else v
-        for _ in range(1 if args.smoke else GENERATE_ROUNDS):  # host-bound: turns, best
+        for _ in range(0 if args.train_only else 1 if args.smoke else GENERATE_ROUNDS):
             for impl in IMPLS[:-1]:
                 for t in (1, 16):
                     v = _guard(r, partial(experts_call_us, model, impl, t, cuda))
                     key = f"experts{t}_us_{impl}"
                     r[key] = min(r.get(key, v), v) if v == v else v
+        if args.autocast:
+            del model
+            model = build(family, dims, device, torch.float32)
+            for impl in AUTOCAST_IMPLS:
+                steps = 1 if args.smoke else (3 if args.quick else 6)
+                r[f"train_autocast_{impl}"] = _guard(
+                    r, partial(train_tokens_per_s, model, impl, seq, args.batch, steps, cuda, True)
+                )
+            r["train_autocast_vs_grouped_mm"] = (
+                r["train_autocast_moekit"] / r["train_autocast_grouped_mm"]
+            )
         for impl in IMPLS:
             print(f"{name} {impl}: " + ", ".join(
                 f"{k.split('_')[0]} {v:,.0f}" for k, v in r.items() if k.endswith(impl)
@@ -188,7 +229,7 @@ def main() -> None:
         for base in TRAIN_TARGETS:
             if f"train_{base}" in r:
                 r[f"train_vs_{base}"] = r["train_moekit"] / r[f"train_{base}"]
-        for b in (1, 16):
+        for b in (1, 16) if "generate1_moekit" in r else ():
             builtin = max(
                 (r[f"generate{b}_{i}"] for i in IMPLS[1:] if f"generate{b}_{i}" in r),
                 key=lambda v: -1.0 if v != v else v,  # NaN (failed) never wins
@@ -204,40 +245,31 @@ def main() -> None:
             torch.cuda.empty_cache()
     lines = [f"tokens/s, {torch.cuda.get_device_name() if cuda else 'cpu'}, bf16" if cuda else
              "tokens/s, cpu (smoke)"]  # fmt: skip
-    head = f"{'model':<18}{'pass':<12}" + "".join(f"{i:>12}" for i in IMPLS) + f"  {'moekit ×'}"
+    head = f"{'model':<18}{'pass':<15}" + "".join(f"{i:>12}" for i in IMPLS) + f"  {'moekit ×'}"
     lines += [head, "-" * len(head)]
     for r in rows:
-        for p in ("train", "generate1", "generate16"):
+        for p in ("train", "train_autocast", "generate1", "generate16"):
+            if f"{p}_moekit" not in r:
+                continue
             vals = "".join(f"{r.get(f'{p}_{i}', float('nan')):>12,.0f}" for i in IMPLS)
             if p == "train":
                 ratio = " / ".join(f"{r[f'train_vs_{b}']:.2f} {b}" for b in TRAIN_TARGETS
                                    if f"train_vs_{b}" in r)  # fmt: skip
+            elif p == "train_autocast":
+                ratio = f"{r['train_autocast_vs_grouped_mm']:.2f} grouped_mm"
             else:
                 ratio = f"{r[f'{p}_vs_best_builtin']:.2f} best built-in"
-            lines.append(f"{r['model']:<18}{p:<12}{vals}  {ratio}")
+            lines.append(f"{r['model']:<18}{p:<15}{vals}  {ratio}")
         for t in (1, 16):
             if f"experts{t}_us_moekit" not in r:
                 continue
             vals = "".join(f"{r.get(f'experts{t}_us_{i}', float('nan')):>12,.0f}" for i in IMPLS)
             best = r[f"experts{t}_us_moekit"] / r[f"experts{t}_us_builtin_best"]
-            lines.append(f"{r['model']:<18}{f'experts{t} µs':<12}{vals}  {best:.2f} of best")
+            lines.append(f"{r['model']:<18}{f'experts{t} µs':<15}{vals}  {best:.2f} of best")
     meta = {"device": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__, "transformers": transformers.__version__}  # fmt: skip
     write_json(os.path.join(args.out, "hf.json"), {"meta": meta, "rows": rows}, nan_as_null=True)
-    try:
-        plt = pyplot()
-        fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
-        for ax, p in zip(axes, ("train", "generate1", "generate16")):
-            for j, r in enumerate(rows):
-                vals = [r.get(f"{p}_{i}", 0.0) for i in IMPLS]
-                ax.bar([k + 0.4 * j for k in range(len(IMPLS))], vals, 0.4, label=r["model"])
-            ax.set_xticks([k + 0.2 for k in range(len(IMPLS))], IMPLS, rotation=20)
-            ax.set_title(p)
-            ax.set_ylabel("tokens/s")
-        axes[0].legend(fontsize=7)
-        save_figure(fig, os.path.join(args.out, "hf.png"))
-    except ImportError:
-        pass
+    plot(rows, os.path.join(args.out, "hf.png"))
     print("\n".join(lines), flush=True)
 
 
