@@ -255,19 +255,24 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "opts", [{}, dict(capacity_factor=1.0, align=16)], ids=["dropless", "capacity"]
-)
+    "opts", [{}, dict(capacity_factor=1.0, align=16), "autocast"],
+    ids=["dropless", "capacity", "fp32_under_autocast"],
+)  # fmt: skip
 def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
+    autocast = opts == "autocast"
+    dtype = torch.float32 if autocast else torch.bfloat16
     layer = MoELayer(
         512, 256, 16, 4, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_expert_ffn_size=128,
-        device="cuda", dtype=torch.bfloat16, **opts,
+        device="cuda", dtype=dtype, **({} if autocast else opts),
     )  # fmt: skip
     params = list(layer.parameters())
-    x = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(384, 512, device="cuda", dtype=dtype, requires_grad=True)
     g = torch.randn_like(x)
 
     def step():
-        return torch.autograd.grad(layer(x), [x, *params], g)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = layer(x)
+        return torch.autograd.grad(y, [x, *params], g.to(y.dtype))
 
     graph, static_grads = sync_free_capture(step)
     with torch.no_grad():
