@@ -12,13 +12,15 @@ weights applied inside the activation) → ``unpermute``, on the module's own pa
 copies, no layout change, checkpoints load and save unchanged. Experts this backend cannot run
 exactly (transposed or interleaved weights, biases, a custom gate, an activation other than
 SiLU or exact GELU) run transformers' ``grouped_mm`` backend instead, with a one-time warning
-that says why. The activation is read from the module's ``act_fn``.
+that says why; so do experts with a layout option of a newer transformers than this backend
+knows. The activation is read from the module's ``act_fn``.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import warnings
 
 import torch
@@ -122,9 +124,34 @@ def _experts_module():
     return moe
 
 
+# The layout options of transformers' ``use_experts_implementation`` this backend knows (it
+# checks or handles each one below); a transformers with more options may describe experts that
+# compute something else.
+_KNOWN_OPTIONS = frozenset(
+    ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
+)
+
+
+@functools.cache
+def _unknown_options() -> tuple[tuple[str, object], ...]:
+    """(name, default) of the options of this transformers' ``use_experts_implementation``
+    that this backend does not know."""
+    params = inspect.signature(_MOE.use_experts_implementation).parameters.values()
+    return tuple(
+        (p.name, p.default)
+        for p in params
+        if p.kind == p.KEYWORD_ONLY and p.name not in _KNOWN_OPTIONS
+        and p.name != "experts_interface"
+    )  # fmt: skip
+
+
 def unsupported(experts: torch.nn.Module) -> str | None:
     """Why moekit cannot run this experts module exactly, or None when it can."""
     moe = _MOE
+    for name, default in _unknown_options():  # fail closed on options newer than this backend
+        value = getattr(experts, name, default)
+        if value is not default and value != default:
+            return f"an experts option this moekit does not know ({name}={value!r})"
     if not getattr(experts, "has_gate", True):
         return "experts without a gate (up_proj only)"
     if getattr(experts, "is_transposed", False):

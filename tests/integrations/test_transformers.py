@@ -305,6 +305,20 @@ def test_expert_parallel_sentinel_ids_are_dropped():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_experts_options_newer_than_the_backend_fall_back(monkeypatch):
+    """A transformers whose use_experts_implementation has an option this backend does not
+    know: experts with it set to a non-default value fall back (never a silent wrong answer);
+    at its default they still run through moekit."""
+    model = tiny_model("qwen3_moe", "moekit")
+    experts = model.model.layers[0].mlp.experts
+    monkeypatch.setattr(hf, "_unknown_options", lambda: (("has_post_expert_scale", False),))
+    assert hf.unsupported(experts) is None
+    for layer in model.model.layers:
+        layer.mlp.experts.has_post_expert_scale = True
+    assert "has_post_expert_scale=True" in hf.unsupported(experts)
+    _falls_back_to("grouped_mm", model, torch.randint(0, COMMON["vocab_size"], (1, 7)))
+
+
 def test_torch_compile_fullgraph_of_the_experts():
     model = tiny_model("qwen3_moe", "moekit")
     experts = model.model.layers[0].mlp.experts
