@@ -84,6 +84,53 @@ def test_matches_eager_experts(family, monkeypatch):
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+# More families through the same backend (no router patch for them): tiny configs from the
+# keys each config class has; the whole list of families is checked by
+# experiments/hf_family_sweep.py.
+MORE_FAMILIES = {
+    "glm4_moe": {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 0,
+                 "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1},
+    "qwen3_next": {"num_experts": 8, "moe_intermediate_size": 32,
+                   "layer_types": ["linear_attention", "full_attention"],
+                   "shared_expert_intermediate_size": 32, "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16, "head_dim": 16},
+    "minimax": {"num_local_experts": 8, "head_dim": 16},
+    "phimoe": {"num_local_experts": 4},
+    "granitemoe": {"num_local_experts": 4},
+    "dots1": {"n_routed_experts": 8, "n_shared_experts": 1, "first_k_dense_replace": 0,
+              "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1},
+    "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
+                     "moe_layer_start_index": 0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_families_match_eager_experts(family, monkeypatch):
+    if family not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
+        pytest.skip(f"this transformers has no {family}")
+    config = transformers.AutoConfig.for_model(family)
+    wanted = {**COMMON, "num_experts_per_tok": 2, **MORE_FAMILIES[family]}
+    kwargs = {k: v for k, v in wanted.items() if hasattr(config, k)}
+    config = transformers.AutoConfig.for_model(family, **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 11))
+    torch.manual_seed(1)  # the same draws in both runs (e.g. PhiMoE's sparse mixer samples)
+    want = loss_and_grads(model, ids)
+    model.set_experts_implementation("moekit")
+    calls = []
+    monkeypatch.setattr(hf, "grouped_mlp", lambda *a, **k: calls.append(1) or grouped_mlp(*a, **k))
+    torch.manual_seed(1)
+    got = loss_and_grads(model, ids)
+    assert calls  # the MoE layers ran through moekit
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == want[2].keys()
+    for name in want[2]:
+        torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_fp32_model_under_autocast_runs_its_experts_in_the_autocast_dtype(monkeypatch):
     """An fp32 model trained under autocast (e.g. Trainer's bf16=True): the experts run in
     the region's dtype, and logits and gradients stay as close to the eager experts' under
