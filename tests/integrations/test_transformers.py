@@ -105,8 +105,8 @@ MORE_FAMILIES = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
-def test_more_families_match_eager_experts(family, monkeypatch):
+def more_model(family: str, impl: str, dtype=torch.float32, device="cpu"):
+    """A tiny model of one of MORE_FAMILIES (skips when this transformers lacks it)."""
     if family not in transformers.models.auto.configuration_auto.CONFIG_MAPPING:
         pytest.skip(f"this transformers has no {family}")
     config = transformers.AutoConfig.for_model(family)
@@ -114,7 +114,15 @@ def test_more_families_match_eager_experts(family, monkeypatch):
     kwargs = {k: v for k, v in wanted.items() if hasattr(config, k)}
     config = transformers.AutoConfig.for_model(family, **kwargs)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=impl, dtype=dtype
+    )
+    return model.to(device)
+
+
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_more_families_match_eager_experts(family, monkeypatch):
+    model = more_model(family, "eager")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 11))
     torch.manual_seed(1)  # the same draws in both runs (e.g. PhiMoE's sparse mixer samples)
     want = loss_and_grads(model, ids)
@@ -129,6 +137,22 @@ def test_more_families_match_eager_experts(family, monkeypatch):
     assert got[2].keys() == want[2].keys()
     for name in want[2]:
         torch.testing.assert_close(got[2][name], want[2][name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(MORE_FAMILIES))
+def test_gpu_more_families_bf16_within_torch_bf16_error(family):
+    """bf16 moekit vs the fp32 eager model: no further from it than bf16 eager is."""
+    ids = torch.randint(0, COMMON["vocab_size"], (4, 64), device="cuda")
+    torch.manual_seed(1)
+    ref = loss_and_grads(more_model(family, "eager", torch.float32, "cuda"), ids)
+    err = {}
+    for impl in ("eager", "moekit"):
+        model = more_model(family, impl, torch.bfloat16, "cuda")
+        torch.manual_seed(1)
+        got = loss_and_grads(model, ids)
+        err[impl] = float((got[0].float() - ref[0]).norm() / ref[0].norm())
+    assert err["moekit"] <= 2 * err["eager"] + 1e-3, err
 
 
 def test_fp32_model_under_autocast_runs_its_experts_in_the_autocast_dtype(monkeypatch):
