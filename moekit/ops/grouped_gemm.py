@@ -240,10 +240,14 @@ def input_and_bias_grads(ctx, grad, b_t, offsets, dtype) -> tuple:
 
 
 class _RaggedMFn(torch.autograd.Function):
+    """``master``: None, or the higher-precision ``b`` that ``b`` is a per-call cast of
+    (autocast): its gradient comes out of the wgrad kernel in its dtype directly."""
+
     @staticmethod
-    def forward(ctx, a, b, offsets, bias, out_dtype, plan_uid):
+    def forward(ctx, a, b, offsets, bias, out_dtype, plan_uid, master=None):
         ctx.save_for_backward(a, b, offsets)
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.master_dtype = None if master is None else master.dtype
         return ragged_m(a, b, offsets, bias, out_dtype, plan_uid)
 
     @staticmethod
@@ -252,8 +256,12 @@ class _RaggedMFn(torch.autograd.Function):
         a, b, offsets = ctx.saved_tensors
         grad = grad.to(a.dtype)
         da, dbias = input_and_bias_grads(ctx, grad, b.transpose(1, 2), offsets, a.dtype)
-        db = ragged_k(a.t(), grad, offsets, b.dtype) if ctx.needs_input_grad[1] else None
-        return da, db, None, dbias, None, None
+        db = None
+        if ctx.needs_input_grad[1]:
+            db = ragged_k(a.t(), grad, offsets, ctx.master_dtype or b.dtype)
+        if ctx.master_dtype is not None:
+            return da, None, None, dbias, None, None, db
+        return da, db, None, dbias, None, None, None
 
 
 class _RaggedKFn(torch.autograd.Function):
@@ -325,11 +333,13 @@ def _make_plan(key, a, b, offsets, ragged_m: bool, out_dtype) -> _Plan:
     return cached(key, lambda: plan) if key is not None else plan
 
 
-def _run_plan(plan: _Plan, a, b, offsets, bias) -> torch.Tensor:
+def _run_plan(plan: _Plan, a, b, offsets, bias, master=None) -> torch.Tensor:
     """The product of a validated call; through the autograd Function only when a gradient
-    is wanted."""
+    is wanted (``master``: see _RaggedMFn)."""
     grad = needs_grad(a, b, bias)
     if plan.ragged_m:
+        if master is not None and grad:
+            return _apply_ragged_m(a, b, offsets, bias, plan.out_dtype, plan.uid, master)
         run = _apply_ragged_m if grad else ragged_m
         return run(a, b, offsets, bias, plan.out_dtype, plan.uid)
     run = _apply_ragged_k if grad else ragged_k
@@ -372,7 +382,9 @@ def _check_no_grad(*tensors: torch.Tensor | None) -> None:
         raise ValueError("out= does not support autograd; call grouped_mm without out= instead")
 
 
-def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate, key):
+def _grouped_mm_ragged_m(
+    a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master=None
+):  # fmt: skip
     T, N = a.shape[0], b.shape[2]
     offsets, bias = check_ragged_m_inputs(a, b, offsets, bias, out_dtype)
     if accumulate:
@@ -380,7 +392,8 @@ def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, valida
     if validate:
         check_offsets_values(offsets, T)
     if out is None:
-        return _run_plan(_make_plan(key, a, b, offsets, True, out_dtype), a, b, offsets, bias)
+        plan = _make_plan(key, a, b, offsets, True, out_dtype)
+        return _run_plan(plan, a, b, offsets, bias, master)
     _check_out(out, (T, N), out_dtype, a)
     if not out.is_contiguous():
         raise ValueError(
@@ -453,17 +466,39 @@ def grouped_mm(
     Inside a ``torch.autocast`` region and without ``out`` (as ``torch.mm``, whose ``out=``
     form autocast leaves alone), a, b and bias are first cast to its dtype, which then is the
     default ``out_dtype``; unless the aligned sizes above would not span a multiple of 16
-    bytes in it, which keeps the call in its own dtype.
+    bytes in it, which keeps the call in its own dtype. A higher-precision ragged-M ``b`` (a
+    weight) that needs a gradient is cast outside autograd, and the wgrad kernel writes its
+    gradient in its dtype directly (no gradient in the region's dtype for autograd to cast
+    again).
     """
     if isinstance(a, torch.Tensor) and autocast_on(a.device.type):
+        master = None
         if out is None and isinstance(b, torch.Tensor) and a.dim() == 2:
             aligned = (a.shape[1] if b.dim() == 3 else a.shape[0], b.shape[-1])
-            a, b, bias = autocast_tensors(a.device.type, (a, b, bias), aligned)
+            detached = b.detach()
+            a, cast_b, bias = autocast_tensors(a.device.type, (a, detached, bias), aligned)
+            if cast_b is detached:
+                cast_b = b  # no cast
+            elif not (b.requires_grad and torch.is_grad_enabled()):
+                pass  # no gradient wanted: the detached cast
+            elif b.dim() == 3 and not torch.compiler.is_compiling():
+                master = b
+                cast_b.requires_grad_()
+            else:  # traced graphs fuse the cast themselves; ragged K: b is not a weight
+                cast_b = b.to(cast_b.dtype)
+            b = cast_b
         with torch.autocast(a.device.type, enabled=False):  # the op's own torch calls as-is
+            if master is not None:
+                return _grouped_mm(a, b, offsets, out_dtype, None, False, bias, validate, master)
             return grouped_mm(
                 a, b, offsets, out_dtype=out_dtype, out=out, accumulate=accumulate, bias=bias,
                 validate=validate,
             )  # fmt: skip
+    return _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, None)
+
+
+def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, master):
+    """grouped_mm outside autocast; ``master``: see _RaggedMFn (ragged M, no ``out``)."""
     key = None
     if (
         out is None
@@ -474,7 +509,7 @@ def grouped_mm(
         key = _plan_key(a, b, offsets, bias, out_dtype)
         plan = cache_get(key) if key is not None else None
         if plan is not None:
-            return _run_plan(plan, a, b, offsets, bias)
+            return _run_plan(plan, a, b, offsets, bias, master)
     a = check_tensor("a", a)
     b = check_tensor("b", b)
     check_dtype("a", a, FLOAT_DTYPES)
@@ -494,7 +529,9 @@ def grouped_mm(
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
     if a.dim() == 2 and b.dim() == 3:
-        return _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
+        return _grouped_mm_ragged_m(
+            a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master
+        )  # fmt: skip
     if a.dim() == 2 and b.dim() == 2:
         return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
     raise ValueError(

@@ -133,6 +133,28 @@ def _check_linear_weight_grad(device: str, dtype: torch.dtype) -> None:
         torch.testing.assert_close(a, w.float(), rtol=0, atol=0)
 
 
+def _check_mm_weight_grad(device: str, dtype: torch.dtype) -> None:
+    """The same for grouped_mm's ragged-M b (a transposed view of an fp32 weight)."""
+    x, w1, _, b, _, offsets = _case(device, R=40, H=32, F=16)
+    with torch.autocast(device, dtype=dtype):
+        y = grouped_mm(x, w1.transpose(1, 2), offsets, bias=b)
+    g = torch.randn(y.shape, device=device).to(dtype)
+    got = torch.autograd.grad(y, (x, w1, b), g)
+    cast = [t.detach().to(dtype).requires_grad_() for t in (x, w1, b)]
+    want = torch.autograd.grad(
+        grouped_mm(cast[0], cast[1].transpose(1, 2), offsets, bias=cast[2]), cast, g
+    )
+    assert all(t.dtype == torch.float32 for t in got)
+    assert not torch.equal(got[1], got[1].to(dtype).float()), f"dW went through {dtype}"
+    torch.testing.assert_close(got[1].to(dtype), want[1])
+    for a, w in ((got[0], want[0]), (got[2], want[2])):
+        torch.testing.assert_close(a, w.float(), rtol=0, atol=0)
+
+
+def test_grouped_mm_writes_fp32_weight_gradients_directly():
+    _check_mm_weight_grad("cpu", torch.float16)
+
+
 def test_grouped_linear_writes_fp32_weight_gradients_directly():
     _check_linear_weight_grad("cpu", torch.float16)
 
@@ -161,6 +183,7 @@ def test_gpu_ops_and_layer_under_bf16_autocast():
     _check_layer("cuda", torch.bfloat16, 2e-2)
     _check_fused_mlp_weight_grads("cuda", torch.bfloat16)
     _check_linear_weight_grad("cuda", torch.bfloat16)
+    _check_mm_weight_grad("cuda", torch.bfloat16)
 
 
 def test_sizes_misaligned_in_the_autocast_dtype_keep_their_dtype():
