@@ -224,7 +224,8 @@ def main() -> None:
             )
         for impl in IMPLS:
             print(f"{name} {impl}: " + ", ".join(
-                f"{k.split('_')[0]} {v:,.0f}" for k, v in r.items() if k.endswith(impl)
+                f"{k.removesuffix('_' + impl)} {v:,.0f}" for k, v in r.items()
+                if k.endswith("_" + impl) and "_vs_" not in k
             ), flush=True)  # fmt: skip
         for base in TRAIN_TARGETS:
             if f"train_{base}" in r:

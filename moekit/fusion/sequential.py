@@ -107,7 +107,8 @@ class _Call:
     returned tensor at the Function's node, which holds this call, and a reference back would
     make a cycle that keeps the whole graph (saved activations, the leaves' gradient
     accumulators) alive until Python's garbage collector runs. ``swap``: the parameter slots
-    and the per-call casts that stand in for the parameters (autocast), or None."""
+    and the tensors the forward used for them (the parameters, or per-call casts under
+    autocast), which the backward's ops must read too."""
 
     __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "swap", "tensor_names")
 
@@ -116,6 +117,15 @@ class _Call:
         self.swap = swap
         self.ctxs: list[OpContext] = []
         self.out_values: list[Any] = []  # per extra output: its value, or _RETURNED
+
+
+def _registered_otherwise(slots, tensors) -> bool:
+    """Whether a slot holds another tensor than the forward used: per-call casts, or
+    parameters a caller swapped in for the forward only (``torch.func.functional_call``)."""
+    for mod, name, i in slots:  # noqa: SIM110 - a loop: a generator costs more here
+        if mod._parameters.get(name) is not tensors[i]:
+            return True
+    return False
 
 
 @contextlib.contextmanager
@@ -155,7 +165,10 @@ class _PipelineFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         # An output made by a recorded graph (RecordedGraph) is detached: autograd would
         # re-point its grad_fn at this node, looping the graph's own backward into this one.
-        if y.requires_grad:
+        # So is a view (e.g. rows reshaped to x's shape): returned as is it would be a view
+        # for autograd, which FSDP2's output hooks warn about (detach shares its version
+        # counter, so in-place use stays checked).
+        if y.requires_grad or y._is_view():
             y = y.detach()
         y = _distinct(y, (x, *args))
         if not call.out_names:
@@ -165,7 +178,7 @@ class _PipelineFn(torch.autograd.Function):
         tensors = [y]
         for t in outs:
             if isinstance(t, torch.Tensor):
-                t = t.detach() if t.requires_grad else t
+                t = t.detach() if t.requires_grad or t._is_view() else t
                 tensors.append(_distinct(t, (x, *args, *tensors)))
         ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
         return tuple(tensors)
@@ -177,8 +190,9 @@ class _PipelineFn(torch.autograd.Function):
                 "moekit.fusion.Sequential does not support a double backward (create_graph=True)"
             )
         call: _Call = ctx.call
-        if call.swap is not None:
-            with _swapped(*call.swap):
+        swap, call.swap = call.swap, None  # e.g. autocast's casts go with this backward
+        if swap is not None and _registered_otherwise(*swap):
+            with _swapped(*swap):
                 return _PipelineFn.run_backward(ctx, call, dy, douts)
         return _PipelineFn.run_backward(ctx, call, dy, douts)
 
@@ -278,6 +292,9 @@ class Sequential(nn.Module):
         old = getattr(self, "_params", None)
         if old is not None and len(old) == len(params) and all(map(operator.is_, old, params)):
             return  # another module's parameter: the plans hold
+        # New objects of the same kind (FSDP2's unsharded / sharded parameters, a
+        # functional_call's tensors) keep the plans, which the rules made from these facts.
+        same = old is not None and list(map(_param_facts, old)) == list(map(_param_facts, params))
         self._params, self._slices = params, slices
         # Where each parameter is registered (a shared one in every place), for per-call casts
         index = {id(p): i for i, p in enumerate(params)}
@@ -287,7 +304,18 @@ class Sequential(nn.Module):
             for name, p in mod._parameters.items()
             if p is not None and id(p) in index
         )
-        self._programs.clear()
+        if not same:
+            self._programs.clear()
+
+    def _params_replaced(self) -> bool:
+        """Whether a parameter was replaced without the registration hook: FSDP2's unshard /
+        reshard and ``torch.func.functional_call`` write ``_parameters`` directly, and the
+        call must use (and send gradients to) the tensors registered now."""
+        params = self._params
+        for mod, name, i in self._slots:  # noqa: SIM110 - a loop: a generator costs more here
+            if mod._parameters.get(name) is not params[i]:
+                return True
+        return False
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change
         out = super()._apply(fn, recurse)
@@ -334,7 +362,7 @@ class Sequential(nn.Module):
             )  # fmt: skip
         if requires_grad is None:
             requires_grad = True
-        if self._params_generation != _param_generation[0]:
+        if self._params_generation != _param_generation[0] or self._params_replaced():
             self._refresh_params()
         if autocast_on(x.device.type):
             x, _, _, casts = self._autocast_inputs(x, (), {}, cast=_cast_like)
@@ -373,7 +401,7 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if self._params_generation != _param_generation[0]:
+        if self._params_generation != _param_generation[0] or self._params_replaced():
             self._refresh_params()
         if autocast_on(x.device.type):
             return self._forward_under_autocast(x, args, kwargs)
@@ -405,7 +433,7 @@ class Sequential(nn.Module):
             return (y, *[env[n] for n in out_names]) if out_names else y
         tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
         tensors = [env.pop(n) for n in tensor_names]
-        call = _Call(prog, env, tensor_names, out_names, (self._slots, params) if casts else None)
+        call = _Call(prog, env, tensor_names, out_names, (self._slots, params))
         if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
             outs = _apply_pipeline.direct(call, x, *tensors, *params)
         else:
@@ -434,7 +462,11 @@ class Sequential(nn.Module):
 
         casts = None
         if any(eligible(p) for p in self._params):
-            casts = tuple(cast(p, dtype) if eligible(p) else p for p in self._params)
+            made: dict[int, torch.Tensor] = {}  # a tied parameter is cast once
+            for p in self._params:
+                if eligible(p) and id(p) not in made:
+                    made[id(p)] = cast(p, dtype)
+            casts = tuple(made.get(id(p), p) for p in self._params)
         if eligible(x):
 
             def alike(v: Any) -> Any:
@@ -471,6 +503,11 @@ class Sequential(nn.Module):
             env.update(made)
         out_names = self.extra_output_names
         return (x, *(env[n] for n in out_names)) if out_names else x
+
+
+def _param_facts(p: torch.Tensor) -> tuple:
+    """What the rules may have planned on about a parameter."""
+    return (type(p), p.dtype, p.device, p.shape, p.requires_grad)
 
 
 def _cast_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

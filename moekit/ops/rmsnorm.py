@@ -181,9 +181,12 @@ class _AddRMSNormFn(torch.autograd.Function):
         normed, ro, rstd = add_rmsnorm_forward(rows(x), rows(residual), weight, eps, True)
         ctx.has_residual = residual is not None
         ctx.save_for_backward(ro if residual is not None else rows(x), weight, rstd)
+        # Outputs in x's shape that are not views (detach() of the reshaped rows; it shares
+        # their version counter): an output view of a tensor made here would be a view for
+        # autograd, which FSDP2's output hooks warn about and in-place ops on it would trip.
         if residual is None:
-            return normed.view(x.shape)
-        return normed.view(x.shape), ro.view(x.shape)
+            return normed.view(x.shape).detach()
+        return normed.view(x.shape).detach(), ro.view(x.shape).detach()
 
     @staticmethod
     def backward(ctx, d_normed, d_ro=None):

@@ -1155,3 +1155,87 @@ def test_autocast_casts_a_residual_travelling_with_the_input():
     want = copy.deepcopy(chain).half()(x.half(), r.half())
     torch.testing.assert_close(y, want[0], rtol=0, atol=0)
     torch.testing.assert_close(r_out, want[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_parameters_replaced_without_the_hook_are_the_ones_used(autocast):
+    """torch.func.functional_call (like FSDP2's unshard) writes ``_parameters`` directly: the
+    call computes with those tensors, casts them under autocast, and sends them the
+    gradients."""
+    torch.manual_seed(0)
+    chain = mf.Sequential(mf.Linear(16, 16), mf.Bias(16), mf.RMSNorm(16))
+    x = torch.randn(4, 16)
+    chain(x)  # plans and parameter slots made with the registered parameters
+    new = {k: torch.randn_like(v).requires_grad_() for k, v in chain.named_parameters()}
+    region = torch.autocast("cpu", dtype=torch.float16) if autocast else contextlib.nullcontext()
+    with region:
+        y = torch.func.functional_call(chain, new, (x,))
+    twin = copy.deepcopy(chain)
+    twin.load_state_dict({k: v.detach() for k, v in new.items()})
+    with region:
+        want = twin(x)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    g = torch.randn_like(y)
+    got = torch.autograd.grad(y, list(new.values()), g)
+    want_grads = torch.autograd.grad(want, list(twin.parameters()), g)
+    for a, b in zip(got, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert all(p.grad is None for p in chain.parameters())
+
+
+def test_autocast_casts_are_freed_by_the_backward():
+    """The per-call casts of a chain through the pipeline node go with its backward, not
+    with the output graph (which a training loop keeps until the next step)."""
+    import weakref
+
+    chain = mf.Sequential(mf.Linear(64, 64), mf.Bias(64), mf.RMSNorm(64))
+    made = []
+    inputs = chain._autocast_inputs
+
+    def spy(*args, **kwargs):
+        out = inputs(*args, **kwargs)
+        made.extend(weakref.ref(t) for t in out[3] or ())
+        return out
+
+    chain._autocast_inputs = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = chain(torch.randn(8, 64)).float().sum()
+    assert made
+    loss.backward()
+    gc.collect()
+    assert [r for r in made if r() is not None] == []
+
+
+def test_autocast_casts_a_tied_parameter_once():
+    a, b = mf.Linear(16, 16), mf.Linear(16, 16)
+    b.weight = a.weight
+    chain = mf.Sequential(a, mf.Bias(16), b)
+    seen = []
+    inputs = chain._autocast_inputs
+
+    def spy(*args, **kwargs):
+        out = inputs(*args, **kwargs)
+        seen.append(out[3])
+        return out
+
+    chain._autocast_inputs = spy
+    with torch.autocast("cpu", dtype=torch.float16):
+        chain(torch.randn(3, 16)).float().sum().backward()
+    casts = seen[0]
+    tied = [c for c, p in zip(casts, chain._params) if p is a.weight]
+    assert len(tied) == 2 and tied[0] is tied[1]
+
+
+def test_outputs_in_the_input_shape_are_not_views():
+    """A chain's outputs for an N-D input are tensors of their own (FSDP2's output hooks warn
+    on views, and an in-place residual on a view would drop them)."""
+    chain = mf.Sequential(mf.Linear(16, 16), mf.Bias(16), mf.AddExtraInput("residual"),
+                          mf.MakeExtraOutput("residual_out"), mf.RMSNorm(16))  # fmt: skip
+    x, r = torch.randn(2, 3, 16, requires_grad=True), torch.randn(2, 3, 16)
+    for ctx in (contextlib.nullcontext(), fusions(disable=["all"])):
+        with ctx:
+            y, ro = chain(x, r)
+        assert y.shape == ro.shape == x.shape
+        assert not y._is_view() and not ro._is_view()
+        y += 1  # an in-place residual update, then the backward
+        (y.sum() + ro.sum()).backward()

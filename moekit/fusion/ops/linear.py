@@ -84,8 +84,11 @@ class Linear(BasicOp):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation, of this rank's shard (e.g. after building
-        on the meta device and ``to_empty``)."""
+        """``torch.nn.Linear``'s initialisation applied to this rank's shard as if it were the
+        whole weight (as the constructor does; e.g. after building on the meta device and
+        ``to_empty``). In ``mode="row"`` the bound therefore comes from the shard's
+        ``in_features / W`` (``moekit.nn.RowParallelLinear`` instead initialises the full
+        weight and takes its columns)."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1 / math.sqrt(self.in_features)
