@@ -184,9 +184,10 @@ class _AddRMSNormFn(torch.autograd.Function):
         # Outputs in x's shape that are not views (detach() of the reshaped rows; it shares
         # their version counter): an output view of a tensor made here would be a view for
         # autograd, which FSDP2's output hooks warn about and in-place ops on it would trip.
-        if residual is None:
-            return normed.view(x.shape).detach()
-        return normed.view(x.shape).detach(), ro.view(x.shape).detach()
+        if x.dim() != 2:  # 2-D: the rows themselves
+            normed = normed.view(x.shape).detach()
+            ro = ro.view(x.shape).detach() if residual is not None else ro
+        return normed if residual is None else (normed, ro)
 
     @staticmethod
     def backward(ctx, d_normed, d_ro=None):
