@@ -55,6 +55,7 @@ import torch
 from common import (
     DensePeak,
     bench_ms,
+    copy_gb_per_s,
     error_line,
     graph_us,
     host_ms,
@@ -317,18 +318,10 @@ def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
     n_params = sum(p.numel() for p in params)
     res["autocast_cast_bytes"] = n_params * (4 + 2 + 2)
     if cuda:
-        res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / copy_bytes_per_ms(device)
+        res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / (copy_gb_per_s(device) * 1e6)
     else:
         res["autocast_cast_floor_ms"] = math.nan
     return res
-
-
-def copy_bytes_per_ms(device) -> float:
-    """Device-to-device copy rate (bytes read + written per ms) of a 1 GiB buffer."""
-    src = torch.empty(2**29, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=30)
-    return 2 * src.numel() * src.element_size() / ms
 
 
 def _report(res):

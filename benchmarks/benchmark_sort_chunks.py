@@ -30,7 +30,16 @@ import os
 import sys
 
 import torch
-from common import bench_ms, error_line, graph_us, host_ms, pyplot, save_figure, write_json
+from common import (
+    bench_ms,
+    copy_gb_per_s,
+    error_line,
+    graph_us,
+    host_ms,
+    pyplot,
+    save_figure,
+    write_json,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
@@ -98,13 +107,6 @@ def steps(x, probs, sizes, order) -> dict:
         "torch_index": step(torch_index_sort),
         "torch_split": step(torch_split_sort),
     }
-
-
-def copy_gb_per_s(device) -> float:
-    src = torch.empty(2**29, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=30)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
 
 
 def check(fns: dict) -> None:

@@ -92,6 +92,14 @@ def bench_ms(fn: Callable, warmup: float = 25, rep: float = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def copy_gb_per_s(device) -> float:
+    """Device-to-device copy rate of a 1 GiB buffer: GB/s read + written (``bench_ms``)."""
+    src = torch.empty(2**29, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=30)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
 def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
     """The CPU stand-in for :func:`bench_ms` in --smoke runs without CUDA: the median ms of
     ``calls`` calls after ``warm`` untimed ones. It checks the plumbing; it measures nothing."""

@@ -311,11 +311,7 @@ class Sequential(nn.Module):
         """Whether a parameter was replaced without the registration hook: FSDP2's unshard /
         reshard and ``torch.func.functional_call`` write ``_parameters`` directly, and the
         call must use (and send gradients to) the tensors registered now."""
-        params = self._params
-        for mod, name, i in self._slots:  # noqa: SIM110 - a loop: a generator costs more here
-            if mod._parameters.get(name) is not params[i]:
-                return True
-        return False
+        return _registered_otherwise(self._slots, self._params)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change
         out = super()._apply(fn, recurse)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["autocast_dtype", "autocast_on", "autocast_tensors"]
+__all__ = ["autocast_dtype", "autocast_on", "autocast_tensors", "autocast_weight"]
 
 
 # Device types torch.autocast knows (``torch.is_autocast_enabled`` raises for others, e.g.
@@ -60,3 +60,22 @@ def autocast_tensors(device_type: str, tensors: tuple, sizes: tuple = ()) -> tup
         else t
         for t in tensors
     )
+
+
+def autocast_weight(
+    weight: torch.Tensor, dtype: torch.dtype | None, master: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(tensor to compute with, master)`` for a weight in a region running in ``dtype``
+    (None: no cast, e.g. sizes that break the 16-byte rule in it). Weights in that dtype, of
+    fp64 or not floating stay as they are. One that needs a gradient is, with ``master``, cast
+    outside autograd and returned as its own ``master``: the op then writes its gradient in
+    the weight's dtype itself (one rounding, no half-precision gradient for autograd to cast
+    again). Without ``master``, and while compiling (traced graphs fuse the cast themselves),
+    it goes through a differentiable cast; without a gradient wanted, a detached one."""
+    if dtype is None or not weight.is_floating_point() or weight.dtype in (dtype, torch.float64):
+        return weight, None
+    if not (weight.requires_grad and torch.is_grad_enabled()):
+        return weight.detach().to(dtype), None
+    if not master or torch.compiler.is_compiling():
+        return weight.to(dtype), None
+    return weight.detach().to(dtype).requires_grad_(), weight

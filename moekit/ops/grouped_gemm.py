@@ -21,7 +21,7 @@ import itertools
 import torch
 
 from moekit.kernels import grouped_gemm as kernels
-from moekit.ops.autocast import autocast_on, autocast_tensors
+from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors, autocast_weight
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import (
     FLOAT_DTYPES,
@@ -475,18 +475,10 @@ def grouped_mm(
         master = None
         if out is None and isinstance(b, torch.Tensor) and a.dim() == 2:
             aligned = (a.shape[1] if b.dim() == 3 else a.shape[0], b.shape[-1])
-            detached = b.detach()
-            a, cast_b, bias = autocast_tensors(a.device.type, (a, detached, bias), aligned)
-            if cast_b is detached:
-                cast_b = b  # no cast
-            elif not (b.requires_grad and torch.is_grad_enabled()):
-                pass  # no gradient wanted: the detached cast
-            elif b.dim() == 3 and not torch.compiler.is_compiling():
-                master = b
-                cast_b.requires_grad_()
-            else:  # traced graphs fuse the cast themselves; ragged K: b is not a weight
-                cast_b = b.to(cast_b.dtype)
-            b = cast_b
+            a, bias = autocast_tensors(a.device.type, (a, bias), aligned)
+            dtype = autocast_dtype(a.device.type, *aligned)
+            # ragged K: b is an activation, not a weight: a differentiable cast
+            b, master = autocast_weight(b, dtype, master=b.dim() == 3)
         with torch.autocast(a.device.type, enabled=False):  # the op's own torch calls as-is
             if master is not None:
                 return _grouped_mm(a, b, offsets, out_dtype, None, False, bias, validate, master)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moekit.ops import validation as v
-from moekit.ops.autocast import autocast_on, autocast_tensors
+from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors, autocast_weight
 from moekit.ops.custom_op import function_apply, refuse_double_backward
 from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
 
@@ -119,16 +119,9 @@ def grouped_linear(
         cast_weight, master = weight, None
         if isinstance(weight, torch.Tensor) and weight.dim() == 3:
             aligned = (weight.shape[1], weight.shape[2])
-            detached = weight.detach()
-            x, cast_weight, bias = autocast_tensors(x.device.type, (x, detached, bias), aligned)
-            if cast_weight is detached:
-                cast_weight = weight  # no cast
-            elif weight.requires_grad and torch.is_grad_enabled():
-                if torch.compiler.is_compiling():  # traced graphs fuse the cast themselves
-                    cast_weight = weight.to(cast_weight.dtype)
-                else:
-                    master = weight
-                    cast_weight.requires_grad_()
+            x, bias = autocast_tensors(x.device.type, (x, bias), aligned)
+            dtype = autocast_dtype(x.device.type, *aligned)
+            cast_weight, master = autocast_weight(weight, dtype)
         if cast_weight is not weight:
             main_grad = None  # the gradient reaches the weight itself, not its main_grad
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
