@@ -10,10 +10,12 @@ modules decorated with ``@use_experts_implementation``: ``gate_up_proj [E, 2F, H
 ``top_k_weights``). This backend runs them as ``permute`` → ``grouped_mlp`` (the routing
 weights applied inside the activation) → ``unpermute``, on the module's own parameters: no
 copies, no layout change, checkpoints load and save unchanged. Experts this backend cannot run
-exactly (transposed or interleaved weights, biases, a custom gate, an activation other than
-SiLU or exact GELU) run transformers' ``grouped_mm`` backend instead, with a one-time warning
-that says why; so do experts with a layout option of a newer transformers than this backend
-knows. The activation is read from the module's ``act_fn``.
+exactly (transposed or interleaved weights, biases, a custom gate other than the clamped
+SwiGLU forms below, an activation other than SiLU or exact GELU) run transformers'
+``grouped_mm`` backend instead, with a one-time warning that says why; so do experts with a
+layout option of a newer transformers than this backend knows. The activation is read from the
+module's ``act_fn``, and from its ``_apply_gate`` where that is one of the forms transformers'
+models write for a gate moekit computes (the default gate in fp32, SwiGLU with clamps).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ import inspect
 import warnings
 
 import torch
+import torch.nn.functional as F
 
+from moekit.activations import Activation
 from moekit.ops.autocast import autocast_dtype
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import permute, unpermute
@@ -132,7 +136,6 @@ _KNOWN_OPTIONS = frozenset(
 )
 
 
-@functools.cache
 def _unknown_options() -> tuple[tuple[str, object], ...]:
     """(name, default) of the options of this transformers' ``use_experts_implementation``
     that this backend does not know."""
@@ -147,8 +150,7 @@ def _unknown_options() -> tuple[tuple[str, object], ...]:
 
 def unsupported(experts: torch.nn.Module) -> str | None:
     """Why moekit cannot run this experts module exactly, or None when it can."""
-    moe = _MOE
-    for name, default in _unknown_options():  # fail closed on options newer than this backend
+    for name, default in _UNKNOWN_OPTIONS:  # fail closed on options newer than this backend
         value = getattr(experts, name, default)
         if value is not default and value != default:
             return f"an experts option this moekit does not know ({name}={value!r})"
@@ -160,18 +162,127 @@ def unsupported(experts: torch.nn.Module) -> str | None:
         return "interleaved gate/up weights"
     if getattr(experts, "has_bias", False):
         return "expert biases"
-    default_gate = getattr(moe, "_default_apply_gate", None)
-    if getattr(type(experts), "_apply_gate", default_gate) is not default_gate:
-        return f"a custom gate ({type(experts).__name__}._apply_gate)"
-    if _activation(experts) is None:
-        act = _activation_name(getattr(experts, "act_fn", None))
-        return f"an activation moekit does not run ({act}; it runs SiLU and exact GELU gates)"
+    reason = _gate_activation(experts)[1]
+    if reason is not None:
+        return reason
     w1, w2 = experts.gate_up_proj, experts.down_proj
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[1] != 2 * w2.shape[2]:
         return f"weights of shapes {tuple(w1.shape)} and {tuple(w2.shape)}"
     if not _rows_aligned(w1):
         return f"a hidden size ({w1.shape[2]}) whose {w1.dtype} rows are not 16-byte multiples"
     return None
+
+
+def _default_gate(self, gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
+
+
+# The custom ``_apply_gate`` forms moekit computes exactly, written as transformers' models write
+# them (matched by bytecode and the globals they read, so an edit to a model's gate falls back).
+def _fp32_gate(self, gate_up):  # Beam: the default gate, computed in fp32
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (self.act_fn(gate.float()) * up.float()).to(gate.dtype)
+
+
+def _clamped_act_gate(self, gate_up):  # DeepSeek-V4
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=self.limit)
+    up = up.clamp(min=-self.limit, max=self.limit)
+    return self.act_fn(gate) * up
+
+
+def _clamped_silu_gate(self, gate_up):  # GLM-5-Next, HY-V4, HY-V4-VL
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=self.swiglu_limit)
+    up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+    return F.silu(gate) * up
+
+
+def _clamped_alpha_gate(self, gate_up):  # MiniMax-M3-VL: gpt-oss's gate, [gate | up] rows
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=self.swiglu_limit)
+    up = up.clamp(min=-self.swiglu_limit, max=self.swiglu_limit)
+    glu = gate * torch.sigmoid(gate * self.swiglu_alpha)
+    return (up + 1.0) * glu
+
+
+# gate form -> (limit, alpha, offset) attribute readers; None: the act_fn's plain gate
+_GATE_FORMS = {
+    _default_gate: None,
+    _fp32_gate: None,
+    _clamped_act_gate: (lambda m: m.limit, 1.0, 0.0),  # with a SiLU act_fn only
+    _clamped_silu_gate: (lambda m: m.swiglu_limit, 1.0, 0.0),
+    _clamped_alpha_gate: (lambda m: m.swiglu_limit, lambda m: m.swiglu_alpha, 1.0),
+}
+
+
+def _code_key(fn) -> tuple | None:
+    """What a function computes, as far as its bytecode, constants, attribute names and the
+    globals it reads tell; None for something that is not a plain Python function."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_freevars:
+        return None
+    scope = fn.__globals__
+    reads = tuple((name, id(scope[name])) for name in code.co_names if name in scope)
+    return code.co_code, code.co_consts, code.co_names, code.co_argcount, reads
+
+
+_FORM_KEYS = {_code_key(form): form for form in _GATE_FORMS}
+_gate_forms: dict[type, object] = {}  # experts class -> its gate form (None: unknown)
+
+
+def _gate_form(cls: type) -> object:
+    gate = getattr(cls, "_apply_gate", None)
+    if gate is None or gate is getattr(_MOE, "_default_apply_gate", None):
+        return _default_gate
+    if cls not in _gate_forms:
+        static = inspect.getattr_static(cls, "_apply_gate")
+        plain = not isinstance(static, (staticmethod, classmethod))
+        _gate_forms[cls] = _FORM_KEYS.get(_code_key(gate)) if plain else None
+    return _gate_forms[cls]
+
+
+def _gate_activation(experts: torch.nn.Module) -> tuple[object, str | None]:
+    """(moekit's activation for the experts' gate, None) or (None, why there is none).
+
+    Gates moekit runs: the default ``act_fn(gate) * up`` with a SiLU or exact GELU ``act_fn``
+    (also when computed in fp32), and SwiGLU with the gate and up clamped, in the forms
+    transformers' DeepSeek-V4, GLM-5-Next, HY-V4 and MiniMax-M3-VL write it."""
+    cls = type(experts)
+    form = _gate_form(cls)
+    if form is None:
+        return None, f"a custom gate ({cls.__name__}._apply_gate)"
+    name = _activation(experts)
+    act = _activation_name(getattr(experts, "act_fn", None))
+    readers = _GATE_FORMS[form]
+    if readers is None:
+        if name is None:
+            reason = f"an activation moekit does not run ({act}; it runs SiLU and exact GELU gates)"
+            return None, reason
+        return name, None
+    if form is _clamped_act_gate and name != "swiglu":
+        return None, f"a clamped gate of {act} (moekit clamps SiLU gates only)"
+    try:
+        limit, alpha, offset = (float(r(experts) if callable(r) else r) for r in readers)
+    except (TypeError, ValueError) as exc:
+        return None, f"a clamped gate moekit cannot run ({exc})"
+    key = (limit, alpha, offset)
+    if key not in _clamped:  # a plain dict: torch.compile traces it without a warning
+        _clamped[key] = _clamped_swiglu(limit, alpha, offset)
+    return _clamped[key]
+
+
+_clamped: dict[tuple[float, float, float], tuple[object, str | None]] = {}
+
+
+def _clamped_swiglu(limit: float, alpha: float, offset: float) -> tuple[object, str | None]:
+    if limit == float("inf") and alpha == 1.0 and offset == 0.0:
+        return "swiglu", None  # nothing is clamped
+    try:
+        return Activation("clamped_swiglu", limit=limit, alpha=alpha, offset=offset), None
+    except ValueError as exc:
+        return None, f"a clamped gate moekit cannot run ({exc})"
 
 
 def _rows_aligned(w1: torch.Tensor) -> bool:
@@ -215,7 +326,7 @@ def moekit_experts_forward(
     # autocast may hand fp32 activations to bf16 weights, or run fp32 weights in bf16
     x = hidden_states.to(autocast_dtype(hidden_states.device.type, w1.shape[-1]) or w1.dtype)
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
-    activation = _activation(self)
+    activation = _gate_activation(self)[0]
     if getattr(self, "has_post_expert_norm", False):
         # A norm of each expert's output comes before the routing weight (it would cancel a
         # weight applied inside the activation): the weights go in at the combine instead.
@@ -289,6 +400,7 @@ def register(name: str = BACKEND_NAME) -> None:
 
 # looked up once here, not on every forward (decode steps call the experts per token)
 _MOE = _experts_module()
+_UNKNOWN_OPTIONS = _unknown_options()
 register()
 # probed at import, outside any torch.compile trace: a traced call only looks a type up
 ACTIVATION_TYPES = _activation_table()

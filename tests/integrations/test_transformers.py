@@ -102,6 +102,18 @@ MORE_FAMILIES = {
               "moe_intermediate_size": 32, "n_group": 1, "topk_group": 1},
     "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_intermediate_size": 32,
                      "moe_layer_start_index": 0},
+    # Gates written as a custom _apply_gate. The SwiGLU limit of 0.05 clamps 25-75% of the
+    # pre-activations of these tiny models, so a clamp moekit left out would show.
+    "beam": {"num_experts": 8, "moe_intermediate_size": 32, "head_dim": 16, "n_group": 2,
+             "topk_group": 1, "mlp_layer_types": ["sparse"] * 2,
+             "layer_types": ["full_attention"] * 2},
+    "deepseek_v4": {"n_routed_experts": 8, "moe_intermediate_size": 32, "swiglu_limit": 0.05,
+                    "head_dim": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                    "index_head_dim": 16, "index_n_heads": 2},
+    "hy_v4": {"num_local_experts": 8, "moe_intermediate_size": 32, "swiglu_limit": 0.05,
+              "head_dim": 16, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    "minimax_m3_vl_text": {"num_local_experts": 8, "swiglu_limit": 0.05, "swiglu_alpha": 1.702,
+                           "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2},
 }  # fmt: skip
 
 
@@ -292,6 +304,50 @@ def test_unsupported_experts_fall_back_with_a_warning():
     _falls_back_to("grouped_mm", model, ids)
 
 
+def _experts_of(model: torch.nn.Module) -> torch.nn.Module:
+    return next(m for m in model.modules() if isinstance(getattr(m, "down_proj", 0), torch.Tensor))
+
+
+@pytest.mark.parametrize(
+    ("family", "want"),
+    [("beam", "swiglu"), ("deepseek_v4", (0.05, 1.0, 0.0)), ("hy_v4", (0.05, 1.0, 0.0)),
+     ("minimax_m3_vl_text", (0.05, 1.702, 1.0))],
+)  # fmt: skip
+def test_custom_gates_moekit_computes_are_recognised(family, want):
+    experts = _experts_of(more_model(family, "moekit"))
+    assert hf.unsupported(experts) is None
+    act = hf._gate_activation(experts)[0]
+    assert act == want or (act.name, act.limit, act.alpha, act.offset) == ("clamped_swiglu", *want)
+
+
+def test_custom_gates_fail_closed():
+    """A gate that differs from the forms moekit knows in any way — its code, a global it
+    reads, the activation it applies, a limit it cannot use — falls back."""
+    model = more_model("hy_v4", "moekit")
+    experts = _experts_of(model)
+    cls = type(experts)
+    gate = cls._apply_gate
+
+    def clamp_after(self, gate_up):  # Step3p7's form: the clamp after the activation
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate).clamp(max=self.swiglu_limit) * up
+
+    other_f = type(gate)(gate.__code__, {**gate.__globals__, "F": torch.special}, gate.__name__)
+    for replacement in (clamp_after, other_f):
+        variant = type(cls.__name__, (cls,), {"_apply_gate": replacement})
+        experts.__class__ = variant
+        assert "a custom gate" in hf.unsupported(experts)
+    experts.__class__ = cls
+    experts.swiglu_limit = float("nan")
+    assert "clamped gate moekit cannot run" in hf.unsupported(experts)
+    experts.swiglu_limit = float("inf")  # nothing clamped: plain SwiGLU
+    assert hf._gate_activation(experts) == ("swiglu", None)
+    ds = more_model("deepseek_v4", "moekit")
+    ds_experts = _experts_of(ds)
+    ds_experts.act_fn = torch.nn.GELU()
+    assert "clamped gate of GELU" in hf.unsupported(ds_experts)
+
+
 class _PostNormExperts(torch.nn.Module):
     """An experts module as transformers' ``use_experts_implementation(has_post_expert_norm=True)``
     sets it up (e.g. MuseSpark): each expert's output is normalised before its routing weight
@@ -382,7 +438,7 @@ def test_experts_options_newer_than_the_backend_fall_back(monkeypatch):
     at its default they still run through moekit."""
     model = tiny_model("qwen3_moe", "moekit")
     experts = model.model.layers[0].mlp.experts
-    monkeypatch.setattr(hf, "_unknown_options", lambda: (("has_post_expert_scale", False),))
+    monkeypatch.setattr(hf, "_UNKNOWN_OPTIONS", (("has_post_expert_scale", False),))
     assert hf.unsupported(experts) is None
     for layer in model.model.layers:
         layer.mlp.experts.has_post_expert_scale = True
@@ -390,9 +446,13 @@ def test_experts_options_newer_than_the_backend_fall_back(monkeypatch):
     _falls_back_to("grouped_mm", model, torch.randint(0, COMMON["vocab_size"], (1, 7)))
 
 
-def test_torch_compile_fullgraph_of_the_experts():
-    model = tiny_model("qwen3_moe", "moekit")
-    experts = model.model.layers[0].mlp.experts
+@pytest.mark.parametrize("family", ["qwen3_moe", "hy_v4"])
+def test_torch_compile_fullgraph_of_the_experts(family, monkeypatch):
+    if family in FAMILIES:
+        experts = tiny_model(family, "moekit").model.layers[0].mlp.experts
+    else:  # a custom gate, first seen inside the trace
+        experts = _experts_of(more_model(family, "moekit"))
+        monkeypatch.setattr(hf, "_gate_forms", {})
     x = torch.randn(10, COMMON["hidden_size"], requires_grad=True)
     w, idx = torch.randn(10, 8).softmax(-1).topk(2, dim=-1)
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
