@@ -21,8 +21,10 @@ graph of 10 calls for the host-bound shapes (sequential equal to direct within n
 One GPU: grouped_mlp, add_rmsnorm and moe, each chain alone (it runs the fused op directly),
 and add_rmsnorm after a Linear (two steps, each run by its own autograd form: F.linear, then
 the fused op). --tp under torchrun: allreduce_add_rmsnorm (+ rmsnorm_residual_grad) after a
-row-parallel Linear (the pipeline's autograd node).
-Writes fusion.json and fusion.png under --out (fusion_tp.* with --tp).
+row-parallel Linear (the pipeline's autograd node). --autocast: the grouped_mlp chain with
+fp32 parameters and inputs, each call inside a bf16 autocast region.
+Writes fusion.json and fusion.png under --out (fusion_tp.* with --tp, fusion_autocast.* with
+--autocast).
 """
 
 from __future__ import annotations
@@ -88,22 +90,30 @@ def _unfused(step):
     return run
 
 
-def mlp_case(rows, E, H, F, dev):
+def mlp_case(rows, E, H, F, dev, autocast=False):
+    """With ``autocast``: fp32 parameters and inputs, both calls inside a bf16 autocast region
+    (an fp32 model trained with autocast)."""
+    dt = torch.float32 if autocast else DT
     seq = mf.Sequential(
-        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
-        mf.GroupedLinear(E, F, H, device=dev, dtype=DT),
+        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=dt), mf.ScaledSwiGLU(),
+        mf.GroupedLinear(E, F, H, device=dev, dtype=dt),
     )  # fmt: skip
-    x = torch.randn(rows, H, device=dev, dtype=DT, requires_grad=True)
-    probs = torch.rand(rows, device=dev, dtype=DT, requires_grad=True)
+    x = torch.randn(rows, H, device=dev, dtype=dt, requires_grad=True)
+    probs = torch.rand(rows, device=dev, dtype=dt, requires_grad=True)
     counts = torch.distributions.Multinomial(rows, torch.rand(E)).sample().to(torch.int64)
     offsets = counts.cumsum(0).to(torch.int32).to(dev)
     w1, w2 = seq[0].weight, seq[2].weight
+    # fp16 on the CPU: Triton's interpreter computes tl.dot on bf16 wrongly
+    half = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    region = torch.autocast(dev.type, dtype=half, enabled=autocast)
 
     def direct():
-        return grouped_mlp(x, offsets, w1, w2, probs)
+        with region:
+            return grouped_mlp(x, offsets, w1, w2, probs)
 
     def sequential():
-        return seq(x, offsets, probs)
+        with region:
+            return seq(x, offsets, probs)
 
     leaves = [x, probs, w1, w2]
     return seq, (direct, leaves), (sequential, leaves)
@@ -238,6 +248,16 @@ def measure(name, rule, seq, direct_case, sequential_case, smoke, cycles, graphs
     return row
 
 
+def autocast_cases(smoke: bool, dev):
+    if smoke:
+        return [("mlp_tiny autocast", "grouped_mlp", mlp_case(64, 4, 64, 64, dev, True))]
+    return [
+        (f"mlp R={R} E={E} H={H} F={F} autocast", "grouped_mlp",
+         mlp_case(R, E, H, F, dev, True))
+        for R, E, H, F in ((1024, 8, 1024, 1024), (32768, 64, 2048, 1024))
+    ]  # fmt: skip
+
+
 def single_gpu_cases(smoke: bool, dev):
     if smoke:
         return [
@@ -326,6 +346,10 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
     ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument(
+        "--autocast", action="store_true",
+        help="the grouped_mlp chain with fp32 parameters under bf16 autocast",
+    )  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -339,7 +363,8 @@ def main() -> None:
         cases = tp_cases(dev, args.smoke or not cuda)
     else:
         dev = torch.device("cuda" if cuda else "cpu")
-        cases = single_gpu_cases(args.smoke or not cuda, dev)
+        make = autocast_cases if args.autocast else single_gpu_cases
+        cases = make(args.smoke or not cuda, dev)
     smoke = args.smoke or not cuda
     cycles = sleep_cycles_per_ms() if cuda else None
     rows = []
@@ -358,7 +383,7 @@ def main() -> None:
         dist.destroy_process_group()
         if rank != 0:
             return
-    stem = "fusion_tp" if args.tp else "fusion"
+    stem = "fusion_tp" if args.tp else "fusion_autocast" if args.autocast else "fusion"
     device = torch.cuda.get_device_name() if cuda else "cpu"
     write_json(os.path.join(args.out, f"{stem}.json"), {"device": device, "rows": rows}, True)
     plot(rows, os.path.join(args.out, f"{stem}.png"))

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BasicOp", "Decline", "FusedOp", "OpContext", "RecordedGraph"]
+__all__ = ["BasicOp", "Decline", "FusedOp", "OpContext", "RecordedGraph", "grad_dtype"]
 
 Extras = dict[str, Any]
 
@@ -105,6 +105,11 @@ class FusedOp:
     """
 
     autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
+    # True where ``autograd_forward``, run inside a ``torch.autocast`` region on the parameters
+    # as they are, computes what it computes on the parameters cast to the region's dtype
+    # outside one (it runs moekit's autocast-aware ops, which write fp32 weights' gradients in
+    # fp32): a chain of such steps then runs them so, with no casts of its own.
+    autocast_native: bool = False
     # False for a fused op whose ``outputs`` leave out the extras its window's ops make (they
     # stay inside it): the planner then uses it only where no later op reads those extras and
     # the chain does not return them, and records a decline otherwise.
@@ -122,6 +127,15 @@ class FusedOp:
 
 class Decline(str):
     """What a rule returns when it does not apply to a window: the reason, in words."""
+
+
+def grad_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype an op's backward best writes ``param``'s gradient in: the dtype of the
+    parameter that ``param`` stands in for. Under ``torch.autocast`` a
+    :class:`moekit.fusion.Sequential` hands its ops per-call casts of the parameters; it
+    converts a gradient of any other dtype itself, but a kernel that writes the parameter's
+    dtype directly (fp32 from its fp32 accumulator) saves that pass and a rounding."""
+    return getattr(param, "moekit_grad_dtype", param.dtype)
 
 
 def add_grad(grads: Extras, name: str, g: torch.Tensor | None) -> None:

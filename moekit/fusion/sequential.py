@@ -98,6 +98,8 @@ def _run_forward(
 
 # Stands in _Call.out_values for an extra output that the Function returns as a tensor.
 _RETURNED = object()
+# What Sequential._autocast_native returns for a call it does not run.
+_NOT_NATIVE = object()
 
 
 class _Call:
@@ -110,11 +112,14 @@ class _Call:
     and the tensors the forward used for them (the parameters, or per-call casts under
     autocast), which the backward's ops must read too."""
 
-    __slots__ = ("ctxs", "env", "out_names", "out_values", "prog", "swap", "tensor_names")
+    __slots__ = (
+        "ctxs", "env", "out_names", "out_values", "param_dtypes", "prog", "swap", "tensor_names"
+    )  # fmt: skip
 
-    def __init__(self, prog, env, tensor_names, out_names, swap=None) -> None:
+    def __init__(self, prog, env, tensor_names, out_names, swap=None, param_dtypes=None) -> None:
         self.prog, self.env, self.tensor_names, self.out_names = prog, env, tensor_names, out_names
         self.swap = swap
+        self.param_dtypes = param_dtypes  # the parameters' dtypes where their casts are inputs
         self.ctxs: list[OpContext] = []
         self.out_values: list[Any] = []  # per extra output: its value, or _RETURNED
 
@@ -226,6 +231,12 @@ class _PipelineFn(torch.autograd.Function):
                 if len(pg) != end - start:
                     _wrong_count(prog, lo + k, len(pg), end - start)
                 param_grads[start:end] = pg
+        dtypes = call.param_dtypes
+        if dtypes is not None:  # casts outside autograd: each gradient in its parameter's dtype
+            param_grads = [
+                g.to(d) if isinstance(g, torch.Tensor) and g.dtype != d else g
+                for g, d in zip(param_grads, dtypes)
+            ]
         if call.tensor_names:
             return (None, dy, *[grads.get(n) for n in call.tensor_names], *param_grads)
         return (None, dy, *param_grads)
@@ -404,10 +415,18 @@ class Sequential(nn.Module):
         return self._run(x, args, kwargs, self._params)
 
     def _run(
-        self, x: torch.Tensor, args: tuple, kwargs: dict, params: tuple, casts: bool = False
+        self,
+        x: torch.Tensor,
+        args: tuple,
+        kwargs: dict,
+        params: tuple,
+        casts: bool = False,
+        masters: bool = False,
     ) -> Any:
         """One call with ``params`` standing in for the parameters (the parameters
-        themselves, or with ``casts`` their per-call casts, swapped in by the caller)."""
+        themselves, or with ``casts`` their per-call casts, swapped in by the caller; with
+        ``masters`` the casts are outside autograd and the parameters take their gradients
+        directly)."""  # fmt: skip
         names = self.extra_input_names
         if not kwargs and len(args) == len(names):  # every extra by position: nothing to check
             env = dict(zip(names, args))
@@ -419,21 +438,26 @@ class Sequential(nn.Module):
         prog = self._program(x, requires_grad, casts)
         out_names = self.extra_output_names
         if prog.steps is not None and _all_true(prog.ready):
-            for step in prog.steps:
-                x, made = step(x, env)
-                if made:
-                    env.update(made)
-            return (x, *[env[n] for n in out_names]) if out_names else x
+            if masters and requires_grad:  # autograd differentiates the steps: join the casts
+                joined = tuple(
+                    c if c is p or not p.requires_grad else _JoinedCast.apply(p, c)
+                    for p, c in zip(self._params, params)
+                )
+                with _swapped(self._slots, joined):
+                    return _run_steps(prog, x, env, out_names)
+            return _run_steps(prog, x, env, out_names)
         if not requires_grad:
             y, _ = _run_forward(prog, x, env)
             return (y, *[env[n] for n in out_names]) if out_names else y
         tensor_names = [n for n, v in env.items() if isinstance(v, torch.Tensor)]
         tensors = [env.pop(n) for n in tensor_names]
-        call = _Call(prog, env, tensor_names, out_names, (self._slots, params))
+        inputs = self._params if masters else params
+        dtypes = tuple(p.dtype for p in inputs) if masters else None
+        call = _Call(prog, env, tensor_names, out_names, (self._slots, params), dtypes)
         if eager_shortcut((x, *tensors)):  # the C++ apply (see moekit.ops.custom_op)
-            outs = _apply_pipeline.direct(call, x, *tensors, *params)
+            outs = _apply_pipeline.direct(call, x, *tensors, *inputs)
         else:
-            outs = _PipelineFn.apply(call, x, *tensors, *params)
+            outs = _PipelineFn.apply(call, x, *tensors, *inputs)
         if not out_names:
             return outs
         it = iter(outs[1:])
@@ -441,12 +465,12 @@ class Sequential(nn.Module):
         return (outs[0], *extra)
 
     def _autocast_inputs(
-        self, x: torch.Tensor, args: tuple, kwargs: dict, cast: Callable = torch.Tensor.to
+        self, x: torch.Tensor, args: tuple, kwargs: dict, cast: Callable | None = torch.Tensor.to
     ) -> tuple:
         """(x, args, kwargs, casts) as a call inside an autocast region runs them: x, the
         floating extra inputs of x's shape and dtype, and the floating parameters in the
         region's dtype (fp64 left alone, as autocast does); ``casts`` is None when no
-        parameter needs one."""
+        parameter needs one (or ``cast`` is None: the parameters are left alone)."""
         dtype = torch.get_autocast_dtype(x.device.type)
 
         def eligible(t: Any) -> bool:
@@ -457,7 +481,7 @@ class Sequential(nn.Module):
             )
 
         casts = None
-        if any(eligible(p) for p in self._params):
+        if cast is not None and any(eligible(p) for p in self._params):
             made: dict[int, torch.Tensor] = {}  # a tied parameter is cast once
             for p in self._params:
                 if eligible(p) and id(p) not in made:
@@ -483,12 +507,43 @@ class Sequential(nn.Module):
         backward, so the casts stand in for the parameters in both passes; gradients reach
         the parameters through the casts, in their own dtype (their ``main_grad`` is not
         used)."""
-        x, args, kwargs, casts = self._autocast_inputs(x, args, kwargs)
+        # Outside a trace the casts are made outside autograd and the parameters themselves are
+        # the pipeline's inputs: the backward hands each gradient over in its parameter's
+        # dtype, which the ops may write directly (see moekit.fusion.op.grad_dtype).
+        masters = not torch.compiler.is_compiling()
+        x, args, kwargs, _ = self._autocast_inputs(x, args, kwargs, cast=None)
+        if masters:
+            out = self._autocast_native(x, args, kwargs)
+            if out is not _NOT_NATIVE:
+                return out
+        cast = _detached_cast if masters else torch.Tensor.to
+        casts = self._autocast_inputs(x, (), {}, cast=cast)[3]  # x is in the region's dtype now
         with torch.autocast(x.device.type, enabled=False):
             if casts is None:
                 return self._run(x, args, kwargs, self._params)
             with _swapped(self._slots, casts):
-                return self._run(x, args, kwargs, casts, True)
+                return self._run(x, args, kwargs, casts, True, masters)
+
+    def _autocast_native(self, x: torch.Tensor, args: tuple, kwargs: dict) -> Any:
+        """The call under autocast (``x`` and the extras already cast) when every step of its
+        plan is an ``autocast_native`` fused op's autograd form: those run inside the region on
+        the parameters themselves (their ops cast, and write fp32 weights' gradients in fp32);
+        ``_NOT_NATIVE`` otherwise."""
+        env = self._extras(args, kwargs)
+        requires_grad = torch.is_grad_enabled() and (
+            x.requires_grad or _any_requires_grad(self._params) or _any_requires_grad(env.values())
+        )
+        key = (x.dtype, x.device, x.shape[-1], x.dim(), requires_grad, settings_key(), True)
+        prog = self._programs.get(key)
+        if prog is None:  # plan as the casts would, on stand-ins without data
+            _, _, _, casts = self._autocast_inputs(x, (), {}, cast=_cast_like)
+            with _swapped(self._slots, casts or self._params):
+                prog = self._program(x, requires_grad, True)
+        if not (requires_grad and prog.steps is not None and _all_true(prog.ready)):
+            return _NOT_NATIVE
+        if not all(getattr(s.runner, "autocast_native", False) for s in prog.plan.forward):
+            return _NOT_NATIVE
+        return _run_steps(prog, x, env, self.extra_output_names)
 
     def reference(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """The chain in plain differentiable PyTorch, op by op (each op's ``reference``): the
@@ -504,6 +559,40 @@ class Sequential(nn.Module):
 def _param_facts(p: torch.Tensor) -> tuple:
     """What the rules may have planned on about a parameter."""
     return (type(p), p.dtype, p.device, p.shape, p.requires_grad)
+
+
+def _run_steps(prog: _Program, x: torch.Tensor, env: dict, out_names: tuple) -> Any:
+    """The plan's steps through their autograd forms (see ``_Program.steps``)."""
+    for step in prog.steps:
+        x, made = step(x, env)
+        if made:
+            env.update(made)
+    return (x, *[env[n] for n in out_names]) if out_names else x
+
+
+class _JoinedCast(torch.autograd.Function):
+    """A cast made outside autograd, joined to its parameter for a differentiating caller:
+    the cast's values, with the gradient handed to the parameter in the parameter's dtype."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, cast: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = param.dtype
+        return cast.view_as(cast)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.dtype), None
+
+
+def _detached_cast(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``p`` in ``dtype`` outside autograd, standing in for ``p`` in the ops (a leaf that
+    requires grad where ``p`` does); the ops' backward may write its gradient in ``p``'s
+    dtype (:func:`moekit.fusion.op.grad_dtype`)."""
+    cast = p.detach().to(dtype)
+    if p.requires_grad:
+        cast.requires_grad_()
+        cast.moekit_grad_dtype = p.dtype
+    return cast
 
 
 def _cast_like(p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

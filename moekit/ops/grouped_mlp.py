@@ -979,10 +979,16 @@ def grouped_mlp_backward(
     b2: torch.Tensor | None = None,
     needs: tuple[bool, bool, bool, bool, bool, bool] = (True,) * 6,
     plan: object | None = None,  # from grouped_mlp_plan for the forward's arguments
+    weight_grad_dtype: torch.dtype | None = None,
+    bias_grad_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """The fused backward matching :func:`grouped_mlp_forward`: ``(dx, dw1, dw2, dprobs,
     db1, db2)`` for the gradients flagged in ``needs`` (same order), None elsewhere. A weight
-    with an fp32 ``main_grad`` gets its gradient added there (and None here)."""
+    with an fp32 ``main_grad`` gets its gradient added there (and None here).
+
+    ``weight_grad_dtype`` / ``bias_grad_dtype``: the dtype dw1 and dw2 / db1 and db2 are
+    written in (default: w1's / each bias's), e.g. fp32 for the fp32 parameters that
+    half-precision weights were cast from: written from the fp32 accumulators, one rounding."""
     if plan is None:
         plan = grouped_mlp_plan(
             x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
@@ -990,7 +996,10 @@ def grouped_mlp_backward(
         )  # fmt: skip
     act = plan.act
     mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
-    grad_dtypes = (*(b.dtype if b is not None else x.dtype for b in (b1, b2)), w1.dtype)
+    grad_dtypes = (
+        *(bias_grad_dtype or (b.dtype if b is not None else x.dtype) for b in (b1, b2)),
+        weight_grad_dtype or w1.dtype,
+    )
     needs = [bool(n) for n in needs]
     needs[4] = needs[4] and b1 is not None
     needs[5] = needs[5] and b2 is not None

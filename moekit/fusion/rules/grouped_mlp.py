@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.fusion.op import Decline, FusedOp, OpContext
+from moekit.fusion.op import Decline, FusedOp, OpContext, grad_dtype
 from moekit.fusion.ops.activation import Activate
 from moekit.fusion.ops.grouped import GroupedLinear
 from moekit.fusion.plan import Facts
@@ -57,6 +57,8 @@ class FusedGroupedMLP(FusedOp):
     MLP backward (five launches). A chain of just these three ops calls
     :func:`moekit.ops.grouped_mlp` itself (``autograd_forward``)."""
 
+    autocast_native = True  # grouped_mlp casts x, the weights and biases as the chain would
+
     def __init__(self, ops, store_h: bool) -> None:
         super().__init__(ops)
         self.store_h = store_h
@@ -97,10 +99,15 @@ class FusedGroupedMLP(FusedOp):
             probs is not None, b1 is not None and b1.requires_grad,
             b2 is not None and b2.requires_grad,
         )  # fmt: skip
+        # the parameters' own dtype where these are per-call casts (autocast), if one for all
+        w_dtype = grad_dtype(fc1.weight)
+        b_dtypes = {grad_dtype(b) for b in (b1, b2) if b is not None}
         dx, dw1, dw2, dp, db1, db2 = grouped_mlp_backward(
             dy, x, offsets, fc1.weight, fc2.weight, probs, h, a, activation=act.activation,
             glu_interleave=act.glu_interleave, b1=b1, b2=b2, needs=needs,
             plan=getattr(ctxs[0], "mlp_plan", None),
+            weight_grad_dtype=w_dtype if grad_dtype(fc2.weight) == w_dtype else None,
+            bias_grad_dtype=b_dtypes.pop() if len(b_dtypes) == 1 else None,
         )  # fmt: skip
         params = ((dw1,) if b1 is None else (dw1, db1), (), (dw2,) if b2 is None else (dw2, db2))
         return dx, ({"probs": dp} if probs is not None else {}), params
