@@ -133,6 +133,10 @@ def _registered_otherwise(slots, tensors) -> bool:
     return False
 
 
+# id(slots) -> how many _swapped contexts over those slots are open
+_STANDING_IN: dict[int, int] = {}
+
+
 @contextlib.contextmanager
 def _swapped(slots: Sequence[tuple[nn.Module, str, int]], tensors: Sequence[torch.Tensor]):
     """The ops' parameters replaced by ``tensors`` (slot ``(module, name, i)`` reads
@@ -141,11 +145,17 @@ def _swapped(slots: Sequence[tuple[nn.Module, str, int]], tensors: Sequence[torc
     old = [mod._parameters[name] for mod, name, _ in slots]
     for mod, name, i in slots:
         mod._parameters[name] = tensors[i]
+    key = id(slots)
+    _STANDING_IN[key] = _STANDING_IN.get(key, 0) + 1
     try:
         yield
     finally:
         for (mod, name, _), p in zip(slots, old):
             mod._parameters[name] = p
+        if _STANDING_IN[key] == 1:
+            del _STANDING_IN[key]
+        else:
+            _STANDING_IN[key] -= 1
 
 
 def _distinct(t: torch.Tensor, others) -> torch.Tensor:
@@ -155,6 +165,12 @@ def _distinct(t: torch.Tensor, others) -> torch.Tensor:
         if t is u:
             return t.clone()
     return t
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as the pipeline node returns it: detached where autograd would otherwise see a
+    graph of its own or a view (see ``_PipelineFn.forward``)."""
+    return t.detach() if t.requires_grad or t._is_view() else t
 
 
 class _PipelineFn(torch.autograd.Function):
@@ -168,23 +184,24 @@ class _PipelineFn(torch.autograd.Function):
         ctx.call = call
         ctx.main_meta = (y.shape, y.dtype, y.device)
         ctx.set_materialize_grads(False)
-        # An output made by a recorded graph (RecordedGraph) is detached: autograd would
-        # re-point its grad_fn at this node, looping the graph's own backward into this one.
-        # So is a view (e.g. rows reshaped to x's shape): returned as is it would be a view
-        # for autograd, which FSDP2's output hooks warn about (detach shares its version
-        # counter, so in-place use stays checked).
-        if y.requires_grad or y._is_view():
-            y = y.detach()
-        y = _distinct(y, (x, *args))
+        # An output that is an input or an earlier output is copied first (a detached alias
+        # would let an in-place update of it rewrite the input unseen). An output made by a
+        # recorded graph (RecordedGraph) is detached: autograd would re-point its grad_fn at
+        # this node, looping the graph's own backward into this one. So is a view (e.g. rows
+        # reshaped to x's shape): returned as is it would be a view for autograd, which
+        # FSDP2's output hooks warn about (detach shares its version counter, so in-place use
+        # stays checked).
+        made = y
+        y = _detached(_distinct(y, (x, *args)))
         if not call.out_names:
             return y
         outs = [env[n] for n in call.out_names]
         call.out_values = [_RETURNED if isinstance(t, torch.Tensor) else t for t in outs]
-        tensors = [y]
+        tensors, taken = [y], [x, *args, made]
         for t in outs:
             if isinstance(t, torch.Tensor):
-                t = t.detach() if t.requires_grad or t._is_view() else t
-                tensors.append(_distinct(t, (x, *args, *tensors)))
+                tensors.append(_detached(_distinct(t, taken)))
+                taken.append(t)
         ctx.mark_non_differentiable(*(t for t in tensors if not t.is_floating_point()))
         return tuple(tensors)
 
@@ -321,7 +338,12 @@ class Sequential(nn.Module):
     def _params_replaced(self) -> bool:
         """Whether a parameter was replaced without the registration hook: FSDP2's unshard /
         reshard and ``torch.func.functional_call`` write ``_parameters`` directly, and the
-        call must use (and send gradients to) the tensors registered now."""
+        call must use (and send gradients to) the tensors registered now. Not while this
+        chain's own stand-ins are swapped in: a call re-entered then (activation
+        checkpointing's recompute inside the backward) must not adopt per-call casts as
+        its parameters."""
+        if id(self._slots) in _STANDING_IN:
+            return False
         return _registered_otherwise(self._slots, self._params)
 
     def _apply(self, fn, recurse=True):  # .to(), .cuda(), .half(): parameters may change

@@ -481,7 +481,9 @@ def grouped_mm(
             b, master = autocast_weight(b, dtype, master=b.dim() == 3)
         with torch.autocast(a.device.type, enabled=False):  # the op's own torch calls as-is
             if master is not None:
-                return _grouped_mm(a, b, offsets, out_dtype, None, False, bias, validate, master)
+                return _grouped_mm(
+                    a, b, offsets, out_dtype, None, accumulate, bias, validate, master
+                )
             return grouped_mm(
                 a, b, offsets, out_dtype=out_dtype, out=out, accumulate=accumulate, bias=bias,
                 validate=validate,

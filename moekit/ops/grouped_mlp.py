@@ -327,14 +327,15 @@ class _Backward:
         self.dp = torch.empty(R, device=dev, dtype=probs.dtype) if need_p else None
         self.act_out = (a if a is not None else self.a_re) if need_w2 else None
         self.dx = self.t1 = self.t2 = self.db1 = self.db2 = None
-        # Replay key prefix: a plan (uid) fixes every tensor's layout but dy's; without one,
+        # Replay key prefix: a plan (uid) fixes every tensor's layout but dy's and the
+        # gradients' dtypes (a caller may ask for others than the parameters'); without one,
         # _replay spells out every tensor.
         self.uid = uid
         if uid:
-            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt[2])
+            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt)
         else:
             self.base = (
-                "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt[2]
+                "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt
             )  # fmt: skip
 
     def held_bytes(self) -> int:

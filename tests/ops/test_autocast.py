@@ -216,6 +216,16 @@ def test_out_form_is_left_alone():
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("weight_grad", [True, False])
+def test_accumulate_without_out_is_refused_under_autocast(weight_grad):
+    # as outside a region; a weight that needs a gradient takes the cast-outside-autograd
+    # path, which once dropped the flag and returned a fresh product
+    x, w1, *_, offsets = _case("cpu")
+    w1.requires_grad_(weight_grad)
+    with torch.autocast("cpu", dtype=torch.float16), pytest.raises(ValueError, match="out="):
+        grouped_mm(x.detach(), w1.transpose(1, 2), offsets, accumulate=True)
+
+
 def test_compiled_ops_under_autocast_match_eager():
     """torch.compile(fullgraph=True) of the ops under autocast: values and fp32 gradients as
     in eager (where fp32 weights are cast outside autograd)."""

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from moekit import Activation
+from moekit.config import interpret_mode
 from moekit.ops import grouped_mlp
 from moekit.reference.grouped_mlp import grouped_mlp_ref
 from moekit.runtime.device import use_triton
@@ -473,6 +474,46 @@ def test_gpu_replay_with_main_grad_and_misaligned_probs():
         assert _rel(y, y_ref) < 2e-2 and _rel(gx, rx) < 3e-2 and _rel(gp, rp) < 3e-2
         assert w1.grad is None and w2.grad is None
     assert _rel(w1.main_grad, want1) < 3e-2 and _rel(w2.main_grad, want2) < 3e-2
+
+
+def _gradients_in_asked_dtypes(device: str, dtype: torch.dtype, R: int, H: int, F: int) -> None:
+    """grouped_mlp_backward on one plan, asked for the weights' and the biases' gradients in
+    fp32 or not (as moekit.fusion asks for fp32 parameters cast under autocast), three calls
+    each (run, recorded, replayed on the GPU): every call writes its own dtypes, with the
+    values of the default call within its rounding, and dx / dprobs unchanged."""
+    from moekit.ops import grouped_mlp_backward, grouped_mlp_forward, grouped_mlp_plan
+
+    E = 4
+    x, w1, w2, p, b1, b2 = _make(R, E, H, F, "swiglu", dtype, device, bias=True)
+    offsets = _offsets(_skewed(R, E), device)
+    kw = dict(b1=b1, b2=b2, plan=grouped_mlp_plan(x, offsets, w1, w2, p, b1=b1, b2=b2))
+    _, h, a = grouped_mlp_forward(x, offsets, w1, w2, p, **kw)
+    dy = torch.randn(R, H, device=device).to(dtype)
+    want = None
+    f32 = torch.float32
+    for asked in ({}, {"bias_grad_dtype": f32}, {"weight_grad_dtype": f32}, {},
+                  {"weight_grad_dtype": f32, "bias_grad_dtype": f32}):  # fmt: skip
+        for _ in range(3):
+            got = grouped_mlp_backward(dy, x, offsets, w1, w2, p, h, a, **kw, **asked)
+            want = got if want is None else want
+            w_dt, b_dt = asked.get("weight_grad_dtype", dtype), asked.get("bias_grad_dtype", dtype)
+            assert [g.dtype for g in got] == [dtype, w_dt, w_dt, p.dtype, b_dt, b_dt], asked
+            for i in (0, 3):
+                torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
+            for i in (1, 2, 4, 5):
+                assert _rel(got[i], want[i]) < 1e-2, (asked, i, _rel(got[i], want[i]))
+
+
+@pytest.mark.skipif(not interpret_mode(), reason="the fused kernels on CPU need TRITON_INTERPRET=1")
+def test_gradients_in_asked_dtypes():
+    _gradients_in_asked_dtypes("cpu", torch.float16, 40, 32, 16)
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_in_asked_dtypes_are_part_of_the_replayed_configuration():
+    """A launch sequence recorded for one set of gradient dtypes must not replay into the
+    buffers of another (kernels compiled for bf16 stores writing fp32 gradients)."""
+    _gradients_in_asked_dtypes("cuda", torch.bfloat16, 1024, 256, 128)
 
 
 @pytest.mark.gpu
