@@ -229,18 +229,26 @@ def _code_key(fn) -> tuple | None:
 
 
 _FORM_KEYS = {_code_key(form): form for form in _GATE_FORMS}
-_gate_forms: dict[type, object] = {}  # experts class -> its gate form (None: unknown)
+# experts class -> (the gate function last seen on it, that function's form; None: unknown)
+_gate_forms: dict[type, tuple[object, object]] = {}
 
 
-def _gate_form(cls: type) -> object:
+def _gate_form(experts: torch.nn.Module) -> object:
+    """The form of the gate transformers' backends call, ``experts._apply_gate`` as it is
+    looked up now (a class patched since the last call too); None for a gate moekit does not
+    know, a static or class method or one set on the instance among them."""
+    if experts.__dict__.get("_apply_gate") is not None:
+        return None
+    cls = type(experts)
     gate = getattr(cls, "_apply_gate", None)
     if gate is None or gate is getattr(_MOE, "_default_apply_gate", None):
         return _default_gate
-    if cls not in _gate_forms:
+    seen = _gate_forms.get(cls)
+    if seen is None or seen[0] is not gate:
         static = inspect.getattr_static(cls, "_apply_gate")
         plain = not isinstance(static, (staticmethod, classmethod))
-        _gate_forms[cls] = _FORM_KEYS.get(_code_key(gate)) if plain else None
-    return _gate_forms[cls]
+        seen = _gate_forms[cls] = (gate, _FORM_KEYS.get(_code_key(gate)) if plain else None)
+    return seen[1]
 
 
 def _gate_activation(experts: torch.nn.Module) -> tuple[object, str | None]:
@@ -249,10 +257,9 @@ def _gate_activation(experts: torch.nn.Module) -> tuple[object, str | None]:
     Gates moekit runs: the default ``act_fn(gate) * up`` with a SiLU or exact GELU ``act_fn``
     (also when computed in fp32), and SwiGLU with the gate and up clamped, in the forms
     transformers' DeepSeek-V4, GLM-5-Next, HY-V4 and MiniMax-M3-VL write it."""
-    cls = type(experts)
-    form = _gate_form(cls)
+    form = _gate_form(experts)
     if form is None:
-        return None, f"a custom gate ({cls.__name__}._apply_gate)"
+        return None, f"a custom gate ({type(experts).__name__}._apply_gate)"
     name = _activation(experts)
     act = _activation_name(getattr(experts, "act_fn", None))
     readers = _GATE_FORMS[form]

@@ -229,12 +229,15 @@ def _chunk_shift_kernel(
     sizes = tl.load(sizes_ptr + c, mask=m, other=0).to(tl.int64)
     src_end = tl.cumsum(sizes, 0)
     idx = tl.load(index_ptr + c, mask=m, other=0).to(tl.int32)
-    idx = tl.minimum(tl.maximum(idx, 0), C_PAD - 1)
+    # An id outside [0, C) (an index that is no permutation, unchecked) reads chunk 0 and
+    # writes nothing: the row map is then undefined, but nothing past shift is written.
+    ok = m & (idx >= 0) & (idx < C)
+    idx = tl.where(ok, idx, 0)
     moved = tl.gather(sizes, idx, 0)  # sizes in output order
     dst_start = tl.cumsum(moved, 0) - moved
     src_start = tl.gather(src_end - sizes, idx, 0)
     tl.store(src_end_ptr + c, src_end, mask=m)
-    tl.store(shift_ptr + idx, dst_start - src_start, mask=m)
+    tl.store(shift_ptr + idx, dst_start - src_start, mask=ok)
 
 
 @triton.jit

@@ -6,6 +6,7 @@ steps, generation, fallback for experts moekit cannot run, and torch.compile."""
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
@@ -346,6 +347,35 @@ def test_custom_gates_fail_closed():
     ds_experts = _experts_of(ds)
     ds_experts.act_fn = torch.nn.GELU()
     assert "clamped gate of GELU" in hf.unsupported(ds_experts)
+
+
+def test_the_gate_in_use_now_decides(monkeypatch):
+    """transformers' backends call ``self._apply_gate`` as looked up at the call: a gate set on
+    the instance, or on the class after moekit has seen it, is the one that decides (once
+    read per class and kept, they ran moekit's gate while transformers' ran theirs)."""
+    model = tiny_model("qwen3_moe", "moekit")
+    experts = model.model.layers[0].mlp.experts
+    cls = type(experts)
+
+    def tanh_gate(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.tanh(gate) * up
+
+    assert hf.unsupported(experts) is None
+    experts._apply_gate = types.MethodType(tanh_gate, experts)
+    assert "a custom gate" in hf.unsupported(experts)
+    x = torch.randn(10, COMMON["hidden_size"])
+    w, idx = torch.randn(10, 8).softmax(-1).topk(2, dim=-1)
+    hf._warn_fallback.cache_clear()
+    with pytest.warns(UserWarning, match="runs transformers' grouped_mm experts"):
+        got = experts(x, idx, w)
+    want = hf._MOE.grouped_mm_experts_forward(experts, x, idx, w)  # calls the tanh gate
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    del experts._apply_gate
+    monkeypatch.setattr(cls, "_apply_gate", hf._fp32_gate, raising=False)
+    assert hf.unsupported(experts) is None
+    monkeypatch.setattr(cls, "_apply_gate", tanh_gate)
+    assert "a custom gate" in hf.unsupported(experts)
 
 
 class _PostNormExperts(torch.nn.Module):

@@ -254,3 +254,21 @@ def test_scatter_bounds_zero_fill_by_r(align):
     )
     assert bool((buf[R:] == 7).all())
     _assert_equal((out,), (ref.scatter_rows_torch(x, row_index, R)[0],))
+
+
+@pytest.mark.parametrize("bad", [3, 5, -1])  # in [C, C_PAD), past C_PAD, negative
+def test_chunk_row_map_never_writes_past_its_scratch(bad):
+    """An unchecked sorted_index that is no permutation gives an undefined row map, but the
+    kernel writes nothing outside its [2·C] scratch (ids were once clamped to the padded
+    block, not to C)."""
+    C = 3
+    sizes = torch.tensor([2, 2, 2], dtype=torch.int32, device=DEVICE)
+    index = torch.tensor([0, 1, bad], dtype=torch.int32, device=DEVICE)
+    guarded = torch.full((2 * C + 8,), -7, dtype=torch.int64, device=DEVICE)
+    out = torch.empty(6, dtype=torch.int32, device=DEVICE)
+    kern.sort_chunks_row_map(sizes, index, out, guarded[: 2 * C])
+    assert (guarded[2 * C :] == -7).all()
+    # a permutation still gives the reordered rows
+    index = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEVICE)
+    kern.sort_chunks_row_map(sizes, index, out, guarded[: 2 * C])
+    assert out.tolist() == [2, 3, 4, 5, 0, 1]
