@@ -13,9 +13,9 @@ For each rule, a chain of basic ops is timed three ways, forward + backward:
 Figures: host µs per call while the GPU is kept busy (the median over batches of calls), best
 of 5 rounds taken in turns (the order rotating each round). The target, sequential ≤ direct +
 max(10 µs, 10 %), is judged on the gap sequential − direct measured in adjacent pairs of
-calls (the median over 200 pairs, each call timed alone while the GPU is kept busy, see
-common.paired_host_gap_us): the difference of two separately taken figures moves by more
-than the allowance on a shared host. Also: eager µs of back-to-back calls; GPU µs from a CUDA
+calls (the median over --pairs pairs, default 200, each call timed alone while the GPU is
+kept busy, see common.paired_host_gap_us): the difference of two separately taken figures
+moves by more than the allowance on a shared host. Also: eager µs of back-to-back calls; GPU µs from a CUDA
 graph of 10 calls for the host-bound shapes (sequential equal to direct within noise).
 
 One GPU: grouped_mlp, add_rmsnorm and moe, each chain alone (it runs the fused op directly),
@@ -39,6 +39,7 @@ import torch
 from common import (
     bench_ms,
     error_line,
+    fixed_count_ms,
     graph_us,
     host_ms,
     host_us_per_call,
@@ -56,7 +57,6 @@ from moekit.nn import MoELayer, RMSNorm, RowParallelLinear
 from moekit.ops import add_rmsnorm, grouped_mlp
 
 ROUNDS = 5
-PAIRS = 200
 DT = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the interpreter: no bf16
 
 
@@ -181,7 +181,12 @@ def _error(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def measure(name, rule, seq, direct_case, sequential_case, smoke, cycles, graphs=True) -> dict:
+def measure(
+    name, rule, seq, direct_case, sequential_case, smoke, cycles, tp=False, pairs=200
+) -> dict:
+    """``tp``: every call holds a collective, so each rank makes the same number of calls (no
+    adaptive counts: a rank that makes one more call than another waits for ever) and no CUDA
+    graphs are taken."""
     (direct, direct_leaves), (sequential, seq_leaves) = direct_case, sequential_case
     grads = _grads(direct)
     # The two must agree before they are timed. No autograd graph may outlive this check: a
@@ -211,18 +216,18 @@ def measure(name, rule, seq, direct_case, sequential_case, smoke, cycles, graphs
             for who in names[i % len(names) :] + names[: i % len(names)]:
                 # short batches: an MoE step enqueues ~100 launches, and a batch must stay
                 # under the GPU's launch-queue depth for the host never to wait
-                us, covered = host_us_per_call(steps[who], 200, cycles, per_batch=8)
+                us, covered = host_us_per_call(steps[who], 200, cycles, per_batch=8, fixed_count=tp)
                 this[who] = us
                 if us < row.get(f"{who}_host_us", math.inf):
                     row[f"{who}_host_us"], row[f"{who}_host_covered"] = us, covered
-                eager = bench_ms(steps[who]) * 1e3
+                eager = (fixed_count_ms(steps[who]) if tp else bench_ms(steps[who])) * 1e3
                 row[f"{who}_eager_us"] = min(eager, row.get(f"{who}_eager_us", math.inf))
             gaps.append(this["sequential"] - this["direct"])
         row["host_gap_rounds_us"] = gaps
         row["host_gap_rounds_median_us"] = statistics.median(gaps)
         # The verdict: sequential and direct called in adjacent pairs (see paired_host_gap_us)
         gap, pair_gaps, covered = paired_host_gap_us(
-            steps["sequential"], steps["direct"], PAIRS, cycles, per_batch=4
+            steps["sequential"], steps["direct"], pairs, cycles, per_batch=4, fixed_count=tp
         )
         row["host_gap_us"], row["host_gap_covered"] = gap, covered
         q = statistics.quantiles(pair_gaps, n=4)
@@ -230,7 +235,7 @@ def measure(name, rule, seq, direct_case, sequential_case, smoke, cycles, graphs
         for who, step in steps.items():
             row[f"{who}_graph_us"] = math.nan
             # GPU time alone, for the host-bound shapes (the others are GPU-bound eager)
-            if not graphs or who == "unfused" or row[f"{who}_eager_us"] > 2000:
+            if tp or who == "unfused" or row[f"{who}_eager_us"] > 2000:
                 continue
             try:
                 row[f"{who}_graph_us"] = graph_us(step, calls=10)
@@ -346,6 +351,7 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
     ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
     ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument("--pairs", type=int, default=200, help="adjacent call pairs for the gap")
     ap.add_argument(
         "--autocast", action="store_true",
         help="the grouped_mlp chain with fp32 parameters under bf16 autocast",
@@ -373,7 +379,9 @@ def main() -> None:
             continue
         print(f"{name}: {rule}", flush=True)
         print("  " + str(seq.plan()).replace("\n", "\n  "), flush=True)
-        rows.append(measure(name, rule, seq, direct, sequential, smoke, cycles, not args.tp))
+        rows.append(
+            measure(name, rule, seq, direct, sequential, smoke, cycles, args.tp, args.pairs)
+        )
         if cuda:
             torch.cuda.empty_cache()  # the CUDA graphs' memory pools
     if args.tp:

@@ -92,6 +92,24 @@ def bench_ms(fn: Callable, warmup: float = 25, rep: float = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def fixed_count_ms(fn: Callable, warmup: int = 10, calls: int = 50) -> float:
+    """GPU ms per call of ``fn``: the median over ``calls`` calls, each between two CUDA events,
+    after ``warmup`` calls. A fixed number of calls, unlike :func:`bench_ms` (whose count
+    depends on a first timing): calls that hold a collective must be made as often on every
+    rank, or the ranks wait on each other for ever. No L2 flush."""
+    for _ in range(warmup):
+        fn()
+    events = []
+    for _ in range(calls):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
 def copy_gb_per_s(device) -> float:
     """Device-to-device copy rate of a 1 GiB buffer: GB/s read + written (``bench_ms``)."""
     src = torch.empty(2**29, dtype=torch.float16, device=device)
@@ -189,7 +207,12 @@ def _synchronized_ms(*fns: Callable) -> float:
 
 
 def host_us_per_call(
-    fn, n: int, cycles_per_ms: float | None, per_batch: int = 25, passes: int = 2
+    fn,
+    n: int,
+    cycles_per_ms: float | None,
+    per_batch: int = 25,
+    passes: int = 2,
+    fixed_count: bool = False,
 ) -> tuple[float, bool]:
     """Host µs per call of ``fn``: n calls, in batches of ``per_batch`` each enqueued behind a GPU
     sleep and timed with no synchronisation inside, ``passes`` times over; the median over the
@@ -200,7 +223,9 @@ def host_us_per_call(
     GPU drains: a batch of the torch composition, the contender with the most launches per
     call, stays below it.
     Returns (µs, covered): covered is False when the GPU went idle before a batch's last call was
-    enqueued (the op synchronised, or the sleep was too short), so the host waited on the GPU."""
+    enqueued (the op synchronised, or the sleep was too short), so the host waited on the GPU.
+    ``fixed_count``: no retry and no early stop, so every rank makes the same number of calls
+    (for calls that hold a collective)."""
     for _ in range(5):  # warm: the caching allocator holds every block the loop needs
         fn()
     if cycles_per_ms is None:  # CPU: everything runs on the host anyway
@@ -210,7 +235,7 @@ def host_us_per_call(
         return (time.perf_counter() - t0) / n * 1e6, True
     upper_ms = _synchronized_ms(fn)
     per_call_us, covered_all = [], True
-    attempts = 2  # a second, longer sleep if the first ran out
+    attempts = 1 if fixed_count else 2  # a second, longer sleep if the first ran out
     for _ in range(passes):
         done = 0
         while done < n:
@@ -232,13 +257,18 @@ def host_us_per_call(
                 attempts = 1  # even a 4x sleep ran out: fn synchronises, stop retrying
             per_call_us.append(dt / k * 1e6)
             covered_all, done = covered_all and covered, done + k
-        if not covered_all:
+        if not covered_all and not fixed_count:
             break
     return statistics.median(per_call_us), covered_all
 
 
 def paired_host_gap_us(
-    fn_a: Callable, fn_b: Callable, pairs: int, cycles_per_ms: float, per_batch: int = 8
+    fn_a: Callable,
+    fn_b: Callable,
+    pairs: int,
+    cycles_per_ms: float,
+    per_batch: int = 8,
+    fixed_count: bool = False,
 ) -> tuple[float, list[float], bool]:
     """Host µs of one call of ``fn_a`` minus one call of ``fn_b``: the median over ``pairs``
     pairs of adjacent calls, each call timed alone while the GPU is kept busy (``per_batch``
@@ -247,7 +277,8 @@ def paired_host_gap_us(
     timing each contender in its own batches lets it land on one of them: the difference of
     two medians moves by far more than the gap itself. Returns (median, every pair's gap,
     covered): covered is False when a batch ran past its GPU sleep even on retries, so the host
-    waited on the GPU in it."""
+    waited on the GPU in it. ``fixed_count``: no retries (the same number of calls on every
+    rank, for calls that hold a collective)."""
     for _ in range(5):
         fn_a()
         fn_b()
@@ -272,7 +303,9 @@ def paired_host_gap_us(
             batch.append((a_us - b_us) * 1e6)
         covered = not slept.query()
         torch.cuda.synchronize()
-        if covered or misses >= 3:  # else the host waited on the GPU: measure it again
+        if (
+            covered or fixed_count or misses >= 3
+        ):  # else the host waited on the GPU: measure it again
             gaps += batch
             covered_all = covered_all and covered
         else:

@@ -60,10 +60,15 @@ class BasicOp(nn.Module):
     through differentiable torch or moekit ops, which a chain may run instead of the
     pipeline's autograd node (see :class:`FusedOp`), wherever ``autograd_ready()`` says so
     for this call.
+
+    ``autocast_extras``: the extra inputs that must have the chain's working dtype, like the
+    tensor they meet (e.g. a residual added to it): a chain inside a ``torch.autocast``
+    region casts them to the region's dtype, whatever their shape.
     """
 
     extra_inputs: tuple[str, ...] = ()
     extra_outputs: tuple[str, ...] = ()
+    autocast_extras: tuple[str, ...] = ()
     autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
 
     def autograd_ready(self) -> bool:

@@ -299,6 +299,11 @@ class Sequential(nn.Module):
             self.add_module(name, op)
         self.ops: tuple[BasicOp, ...] = tuple(op for _, op in named)
         self.extra_input_names, self.extra_output_names = _wire(self.ops)
+        # extras cast with x under autocast whatever their shape (a residual stream that meets
+        # the main tensor after a row-parallel Linear has changed its width)
+        self._autocast_extras = frozenset(
+            n for op in self.ops for n in op.autocast_extras if n in self.extra_input_names
+        )
         self._programs: OrderedDict[tuple, _Program] = OrderedDict()
         self._refresh_params()
 
@@ -490,9 +495,11 @@ class Sequential(nn.Module):
         self, x: torch.Tensor, args: tuple, kwargs: dict, cast: Callable | None = torch.Tensor.to
     ) -> tuple:
         """(x, args, kwargs, casts) as a call inside an autocast region runs them: x, the
-        floating extra inputs of x's shape and dtype, and the floating parameters in the
-        region's dtype (fp64 left alone, as autocast does); ``casts`` is None when no
-        parameter needs one (or ``cast`` is None: the parameters are left alone)."""
+        floating extra inputs of x's dtype that have its shape or that an op reads in the
+        chain's dtype (``BasicOp.autocast_extras``, e.g. a residual), and the floating
+        parameters in the region's dtype (fp64 left alone, as autocast does); ``casts`` is
+        None when no parameter needs one (or ``cast`` is None: the parameters are left
+        alone)."""
         dtype = torch.get_autocast_dtype(x.device.type)
 
         def eligible(t: Any) -> bool:
@@ -510,13 +517,19 @@ class Sequential(nn.Module):
                     made[id(p)] = cast(p, dtype)
             casts = tuple(made.get(id(p), p) for p in self._params)
         if eligible(x):
+            follows = self._autocast_extras
 
-            def alike(v: Any) -> Any:
-                same = isinstance(v, torch.Tensor) and v.dtype == x.dtype and v.shape == x.shape
+            def alike(name: str | None, v: Any) -> Any:
+                same = (
+                    isinstance(v, torch.Tensor)
+                    and v.dtype == x.dtype
+                    and (v.shape == x.shape or name in follows)
+                )
                 return v.to(dtype) if same else v
 
-            args = tuple(alike(v) for v in args)
-            kwargs = {k: alike(v) for k, v in kwargs.items()}
+            names = self.extra_input_names
+            args = tuple(alike(names[i] if i < len(names) else None, v) for i, v in enumerate(args))
+            kwargs = {k: alike(k, v) for k, v in kwargs.items()}
             x = x.to(dtype)
         return x, args, kwargs, casts
 

@@ -9,6 +9,8 @@ its own slice, so each can build the dense reference itself.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -22,6 +24,7 @@ from tests._multiproc import finish_worker
 from tests.fusion._check import assert_close, run
 
 WORLD = 2
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H, F_ = 32, 48
 
 
@@ -76,7 +79,7 @@ def _worker_row_allreduce_norm(rank: int, store: str) -> None:
                 r = run(seq, mode, x_full[..., cols], [residual], dys)
                 if mode == "fused":
                     assert r.plan.fused("forward") == ["allreduce_add_rmsnorm"], str(r.plan)
-                    assert r.plan.fused("backward") == ["rmsnorm_residual_grad"], str(r.plan)
+                    assert r.plan.fused("backward") == ["allreduce_add_rmsnorm"], str(r.plan)
                 elif mode == "unfused":
                     assert r.plan.fused("forward") == r.plan.fused("backward") == []
                 what = f"rank {rank} {mode} {lead}"
@@ -86,6 +89,37 @@ def _worker_row_allreduce_norm(rank: int, store: str) -> None:
                 assert_close(r.grads["residual"], rd.grad, f"{what}: d residual")
                 assert_close(r.grads["param 0.weight"], wd.grad[:, cols], f"{what}: dW slice")
                 assert_close(r.grads["param 4.weight"], nd.grad, f"{what}: d norm weight")
+        # under autocast the residual (the output's width, not x's) is cast with x: fused and
+        # unfused both equal the dense model within fp16 rounding, gradients in fp32
+        for mode in ("fused", "unfused"):
+            xa = x_full[..., cols].clone().requires_grad_()
+            ra = residual.clone().requires_grad_()
+            seq.zero_grad(set_to_none=True)
+            off = fusions(disable=["all"]) if mode == "unfused" else fusions()
+            with off, torch.autocast("cpu", dtype=torch.float16):
+                y16, ro16 = seq(xa, ra)
+            assert y16.dtype == ro16.dtype == torch.float16
+            torch.autograd.backward([y16, ro16], [d.half() for d in dys])
+            what = f"rank {rank} {mode} under autocast"
+            assert_close(y16, y, f"{what}: output", 5e-3)
+            assert_close(ro16, ro, f"{what}: residual_out", 5e-3)
+            for got, want, name in (
+                (xa.grad, xd.grad[..., cols], "dx"),
+                (ra.grad, rd.grad, "d residual"),
+                (seq[0].weight.grad, wd.grad[:, cols], "dW"),
+                (seq[4].weight.grad, nd.grad, "dnorm"),
+            ):  # fmt: skip
+                assert got.dtype == torch.float32, f"{what}: {name} is {got.dtype}"
+                assert_close(got, want, f"{what}: {name}", 5e-3)
+        # both passes run the same steps, each with an autograd form (F.linear, then
+        # moekit.ops.allreduce_add_rmsnorm): no pipeline node; a main_grad brings it back
+        x = x_full[..., cols].clone().requires_grad_()
+        y, _ = seq(x, residual)
+        assert type(y.grad_fn).__name__ != "_PipelineFnBackward", y.grad_fn
+        seq[0].weight.main_grad = torch.zeros_like(seq[0].weight)
+        y, _ = seq(x, residual)
+        assert type(y.grad_fn).__name__ == "_PipelineFnBackward", y.grad_fn
+        del seq[0].weight.main_grad
         # a group of one rank: allreduce_add_rmsnorm declines and add_rmsnorm fuses the rest
         own = [dist.new_group([i]) for i in range(WORLD)][rank]  # every rank makes both
         seq1 = _norm_chain(own)
@@ -208,6 +242,23 @@ def test_column_parallel_reference():
 @pytest.mark.dist
 def test_reduce_scatter_all_gather():
     _spawn(_worker_scatter_gather)
+
+
+@pytest.mark.gpu
+@pytest.mark.dist
+def test_gpu_fusion_tp_check_torchrun():
+    """tests/distributed/gpu_fusion_tp_check.py on every local GPU (2+): the same chains over
+    NCCL and symmetric memory, fp32 and bf16, every all-reduce algorithm, CUDA-graph capture."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs >= 2 GPUs")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=REPO)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+           os.path.join(REPO, "tests", "distributed", "gpu_fusion_tp_check.py")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "ALL FUSION TP CHECKS PASSED" in proc.stdout
 
 
 def test_allreduce_rule_declines_without_distributed():

@@ -22,7 +22,7 @@ class AddExtraInput(BasicOp):
     def __init__(self, name: str = "residual") -> None:
         super().__init__()
         self.name = _check_name(name)
-        self.extra_inputs = (self.name,)
+        self.extra_inputs = self.autocast_extras = (self.name,)
 
     def other(self, x: torch.Tensor, extras: dict) -> torch.Tensor:
         """The extra input, checked against the main tensor."""

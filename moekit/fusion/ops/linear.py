@@ -125,8 +125,11 @@ class Linear(BasicOp):
         return F.linear(x, self.weight, self.bias), None
 
     def autograd_ready(self) -> bool:
-        # F.linear's own backward: no tensor-parallel reduction of dx, no main_grad
-        return self.mode is None and getattr(self.weight, "main_grad", None) is None
+        # F.linear's own backward: no tensor-parallel reduction of dx (a row-parallel Linear's
+        # backward is local), no main_grad
+        if getattr(self.weight, "main_grad", None) is not None:
+            return False
+        return self.mode != "column" or _group_size_rank(self.group)[0] == 1
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         if self.mode == "column" and _group_size_rank(self.group)[0] > 1:

@@ -1,8 +1,10 @@
-"""Rule ``allreduce_add_rmsnorm`` (forward): AllReduce → AddExtraInput → MakeExtraOutput →
-RMSNorm as moekit's fused all-reduce + residual add + RMSNorm (one kernel over symmetric
-memory, or NCCL + the local kernel; see :func:`moekit.ops.allreduce_add_rmsnorm`). The
-backward of the window is the identity through the all-reduce and the local norm backward
-(with ``rmsnorm_residual_grad``)."""
+"""Rule ``allreduce_add_rmsnorm``: AllReduce → AddExtraInput → MakeExtraOutput → RMSNorm as
+moekit's fused all-reduce + residual add + RMSNorm (one kernel over symmetric memory, or NCCL +
+the local kernel; see :func:`moekit.ops.allreduce_add_rmsnorm`). The backward of the window is
+the identity through the all-reduce and the local norm backward with the residual stream's
+gradient added in the same kernel. Both passes run the same window, so a chain whose other
+steps have autograd forms (a row-parallel Linear) runs :func:`moekit.ops.allreduce_add_rmsnorm`
+itself, without the pipeline's autograd node."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from moekit.fusion.ops.extras import AddExtraInput, MakeExtraOutput
 from moekit.fusion.ops.norm import RMSNorm, rows
 from moekit.fusion.plan import Facts
 from moekit.fusion.registry import register_fusion
-from moekit.ops.allreduce import allreduce_add_rmsnorm_op
+from moekit.ops.allreduce import allreduce_add_rmsnorm, allreduce_add_rmsnorm_op
 from moekit.ops.rmsnorm import validate_norm_inputs
 
 __all__ = ["FusedAllReduceAddRMSNorm"]
@@ -39,11 +41,28 @@ class FusedAllReduceAddRMSNorm(FusedOp):
         ctxs[3].x, ctxs[3].rstd = ro, rstd
         return y.view(x.shape), {make.name: ro.view(x.shape)}
 
+    def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: dict) -> tuple:
+        # the all-reduce's backward is the identity (row-parallel semantics), and the add
+        # passes the sum's gradient to both of its inputs
+        _, add, make, norm = self.ops
+        dx, _, params = norm.backward_with_residual(ctxs[3], dy, grads.get(make.name))
+        return dx, {add.name: dx}, ((), (), (), params)
+
+    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
+        ar, add, make, norm = self.ops
+        r = add.other(x, extras)
+        # the kernels read contiguous rows (a copy, with its gradient, where they are not)
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if not r.is_contiguous():
+            r = r.contiguous()
+        y, ro = allreduce_add_rmsnorm(x, r, norm.weight, eps=norm.eps, group=ar.group, algo=ar.algo)
+        return y, {make.name: ro}
+
 
 @register_fusion(
     name="allreduce_add_rmsnorm",
     pattern=(AllReduce, AddExtraInput, MakeExtraOutput, RMSNorm),
-    passes=("forward",),
 )
 def allreduce_add_rmsnorm_rule(ops, facts: Facts):
     if not (dist.is_available() and dist.is_initialized()):
