@@ -12,6 +12,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton.testing
@@ -262,6 +263,14 @@ def host_us_per_call(
     return statistics.median(per_call_us), covered_all
 
 
+class PairedGap(NamedTuple):
+    gap_us: float  # median over the pairs of (fn_a − fn_b)
+    gaps_us: list[float]  # every pair's gap
+    covered: bool  # False: a batch ran past its GPU sleep even on retries
+    a_us: float  # median of fn_a's own times
+    b_us: float  # median of fn_b's own times
+
+
 def paired_host_gap_us(
     fn_a: Callable,
     fn_b: Callable,
@@ -269,22 +278,27 @@ def paired_host_gap_us(
     cycles_per_ms: float,
     per_batch: int = 8,
     fixed_count: bool = False,
-) -> tuple[float, list[float], bool]:
+    clock: Callable[[], float] = time.perf_counter,
+) -> PairedGap:
     """Host µs of one call of ``fn_a`` minus one call of ``fn_b``: the median over ``pairs``
     pairs of adjacent calls, each call timed alone while the GPU is kept busy (``per_batch``
     pairs behind one GPU sleep, the order within a pair alternating). A slow stretch of the
     host (another tenant, a garbage collection) then hits both calls of a pair alike, where
     timing each contender in its own batches lets it land on one of them: the difference of
-    two medians moves by far more than the gap itself. Returns (median, every pair's gap,
-    covered): covered is False when a batch ran past its GPU sleep even on retries, so the host
-    waited on the GPU in it. ``fixed_count``: no retries (the same number of calls on every
-    rank, for calls that hold a collective)."""
+    two medians moves by far more than the gap itself. ``covered`` is False when a batch ran
+    past its GPU sleep even on retries, so the host waited on the GPU in it.
+    ``fixed_count``: no retries (the same number of calls on every rank, for calls that hold
+    a collective). ``clock``: seconds; ``time.process_time`` counts the CPU time of every
+    thread of the process (the autograd engine's device threads run a CUDA backward) and none
+    of the time the process was off the CPU or waiting, which wall-clock pairs on a shared
+    host pick up as a spread of hundreds of µs."""
     for _ in range(5):
         fn_a()
         fn_b()
     upper_ms = _synchronized_ms(fn_a, fn_b)
-    clock = time.perf_counter
     gaps: list[float] = []
+    a_times: list[float] = []
+    b_times: list[float] = []
     misses, covered_all = 0, True
     while len(gaps) < pairs:
         k = min(per_batch, pairs - len(gaps))
@@ -299,18 +313,25 @@ def paired_host_gap_us(
             t1 = clock()
             second()
             t2 = clock()
-            a_us, b_us = ((t1 - t0), (t2 - t1)) if first is fn_a else ((t2 - t1), (t1 - t0))
-            batch.append((a_us - b_us) * 1e6)
+            a_s, b_s = ((t1 - t0), (t2 - t1)) if first is fn_a else ((t2 - t1), (t1 - t0))
+            batch.append((a_s * 1e6, b_s * 1e6))
         covered = not slept.query()
         torch.cuda.synchronize()
-        if (
-            covered or fixed_count or misses >= 3
-        ):  # else the host waited on the GPU: measure it again
-            gaps += batch
+        # not covered: the host waited on the GPU in this batch, measure it again
+        if covered or fixed_count or misses >= 3:
+            gaps += [a - b for a, b in batch]
+            a_times += [a for a, _ in batch]
+            b_times += [b for _, b in batch]
             covered_all = covered_all and covered
         else:
             misses += 1
-    return statistics.median(gaps), gaps, covered_all
+    return PairedGap(
+        statistics.median(gaps),
+        gaps,
+        covered_all,
+        statistics.median(a_times),
+        statistics.median(b_times),
+    )
 
 
 class AutogradFloor(torch.autograd.Function):
