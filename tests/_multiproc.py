@@ -1,12 +1,18 @@
-"""Helpers for tests that spawn several gloo ranks with torch.multiprocessing."""
+"""Helpers for tests that spawn several gloo ranks with torch.multiprocessing, or run a GPU
+check script under torchrun."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from typing import NoReturn
 
+import pytest
+import torch
 import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def finish_worker() -> NoReturn:
@@ -22,3 +28,20 @@ def finish_worker() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def run_gpu_check_under_torchrun(script: str, passed: str | None = None) -> None:
+    """Run ``tests/distributed/<script>`` under torchrun, one rank per local GPU (skips below
+    2), with NVLink multicast off; fails with the output's tail unless it exits 0 (and prints
+    ``passed`` when given)."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs >= 2 GPUs")
+    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
+               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=REPO)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+           os.path.join(REPO, "tests", "distributed", script)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    if passed is not None:
+        assert passed in proc.stdout, proc.stdout[-4000:]

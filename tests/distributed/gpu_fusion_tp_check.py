@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import moekit.fusion as mf
 from moekit.distributed import init_distributed
 from moekit.fusion import fusions
+from tests.fusion._check import column_row_chain
 
 # relative-norm tolerances against the float64 dense reference
 TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -147,19 +148,8 @@ def check_column_row_and_sequence_parallel(dev: torch.device) -> None:
     W, rank = dist.get_world_size(), dist.get_rank()
     H, F = 256, 512
     part = slice(rank * (F // W), (rank + 1) * (F // W))
-    g = torch.Generator().manual_seed(99)
-    w1, b1 = torch.randn(F, H, generator=g) / H**0.5, torch.randn(F, generator=g)
-    w2, b2 = torch.randn(H, F, generator=g) / F**0.5, torch.randn(H, generator=g)
+    seq, (w1, b1, w2, b2), g = column_row_chain(H, F, rank, W, dev)
     x, dy = torch.randn(40, H, generator=g), torch.randn(40, H, generator=g)
-    seq = mf.Sequential(
-        mf.Linear(H, F, bias=True, mode="column", device=dev), mf.Linear(F, H, mode="row",
-        device=dev), mf.AllReduce(), mf.Bias(H, device=dev),
-    )  # fmt: skip
-    with torch.no_grad():
-        seq[0].weight.copy_(w1[part])
-        seq[0].bias.copy_(b1[part])
-        seq[1].weight.copy_(w2[:, part])
-        seq[3].bias.copy_(b2)
     xd, w1d, b1d, w2d, b2d = (_leaf(t.double()) for t in (x, w1, b1, w2, b2))
     y = (xd @ w1d.t() + b1d) @ w2d.t() + b2d
     y.backward(dy.double())

@@ -8,6 +8,7 @@ import dataclasses
 
 import torch
 
+import moekit.fusion as mf
 from moekit.fusion import Plan, Sequential, fusions
 
 TOL = 1e-4  # fp32 relative-norm tolerance
@@ -115,3 +116,24 @@ def check_all_modes(seq: Sequential, x, extras=(), *, use=None, tol: float = TOL
     compare(unfused, ref, "unfused", tol)
     assert unfused.plan.fused("forward") == [] and unfused.plan.fused("backward") == []
     return fused, unfused, ref
+
+
+def column_row_chain(H: int, F: int, rank: int, world: int, device=None, seed: int = 99):
+    """``Linear(H, F, bias, column) → Linear(F, H, row) → AllReduce → Bias(H)`` holding this
+    rank's shards of full weights that every rank draws from ``seed`` (on the CPU). Returns
+    ``(seq, (w1, b1, w2, b2), g)``: the full weights, for a dense reference, and the generator,
+    for more tensors drawn alike on every rank."""
+    part = slice(rank * (F // world), (rank + 1) * (F // world))  # this rank's F features
+    g = torch.Generator().manual_seed(seed)
+    w1, b1 = torch.randn(F, H, generator=g) / H**0.5, torch.randn(F, generator=g)
+    w2, b2 = torch.randn(H, F, generator=g) / F**0.5, torch.randn(H, generator=g)
+    seq = mf.Sequential(
+        mf.Linear(H, F, bias=True, mode="column", device=device),
+        mf.Linear(F, H, mode="row", device=device), mf.AllReduce(), mf.Bias(H, device=device),
+    )  # fmt: skip
+    with torch.no_grad():
+        seq[0].weight.copy_(w1[part])
+        seq[0].bias.copy_(b1[part])
+        seq[1].weight.copy_(w2[:, part])
+        seq[3].bias.copy_(b2)
+    return seq, (w1, b1, w2, b2), g

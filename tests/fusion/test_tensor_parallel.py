@@ -9,8 +9,6 @@ its own slice, so each can build the dense reference itself.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -20,11 +18,10 @@ import torch.multiprocessing as mp
 
 import moekit.fusion as mf
 from moekit.fusion import fusions
-from tests._multiproc import finish_worker
-from tests.fusion._check import assert_close, run
+from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
+from tests.fusion._check import assert_close, column_row_chain, run
 
 WORLD = 2
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H, F_ = 32, 48
 
 
@@ -141,22 +138,9 @@ def _worker_column_row(rank: int, store: str, mode_list: tuple) -> None:
     try:
         Fs = F_ // WORLD
         part = slice(rank * Fs, (rank + 1) * Fs)  # this rank's slice of the F features
-        g = torch.Generator().manual_seed(99)
-        w1 = torch.randn(F_, H, generator=g) / H**0.5
-        b1 = torch.randn(F_, generator=g)
-        w2 = torch.randn(H, F_, generator=g) / F_**0.5
-        b2 = torch.randn(H, generator=g)
+        seq, (w1, b1, w2, b2), g = column_row_chain(H, F_, rank, WORLD)
         x = torch.randn(5, H, generator=g)
         dy = torch.randn(5, H, generator=g)
-        seq = mf.Sequential(
-            mf.Linear(H, F_, bias=True, mode="column"), mf.Linear(F_, H, mode="row"),
-            mf.AllReduce(), mf.Bias(H),
-        )  # fmt: skip
-        with torch.no_grad():
-            seq[0].weight.copy_(w1[part])
-            seq[0].bias.copy_(b1[part])
-            seq[1].weight.copy_(w2[:, part])
-            seq[3].bias.copy_(b2)
         xd, w1d, b1d, w2d, b2d = _leaves(x, w1, b1, w2, b2)
         y = (xd @ w1d.t() + b1d) @ w2d.t() + b2d
         y.backward(dy)
@@ -249,16 +233,7 @@ def test_reduce_scatter_all_gather():
 def test_gpu_fusion_tp_check_torchrun():
     """tests/distributed/gpu_fusion_tp_check.py on every local GPU (2+): the same chains over
     NCCL and symmetric memory, fp32 and bf16, every all-reduce algorithm, CUDA-graph capture."""
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip("needs >= 2 GPUs")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=REPO)  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-           os.path.join(REPO, "tests", "distributed", "gpu_fusion_tp_check.py")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "ALL FUSION TP CHECKS PASSED" in proc.stdout
+    run_gpu_check_under_torchrun("gpu_fusion_tp_check.py", "ALL FUSION TP CHECKS PASSED")
 
 
 def test_allreduce_rule_declines_without_distributed():

@@ -4,10 +4,7 @@ dropless (host split sizes) and with a capacity limit (static sizes, drops per r
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.nn import MoELayer
-from tests._multiproc import finish_worker
+from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
 
 H, F, E, K, T = 16, 8, 8, 2, 11
 
@@ -98,14 +95,4 @@ def test_expert_parallel_configuration_errors():
 @pytest.mark.dist
 def test_gpu_expert_parallel_check_torchrun():
     """tests/distributed/gpu_moe_ep_check.py on every local GPU (2+)."""
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip("needs >= 2 GPUs")
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=repo)  # fmt: skip
-    script = os.path.join(repo, "tests", "distributed", "gpu_moe_ep_check.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}", script]
-    proc = subprocess.run(cmd, env=env, cwd=repo, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "ALL EP CHECKS PASSED" in proc.stdout
+    run_gpu_check_under_torchrun("gpu_moe_ep_check.py", "ALL EP CHECKS PASSED")

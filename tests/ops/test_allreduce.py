@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import warnings
 
@@ -25,10 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from moekit.reference.allreduce import allreduce_add_rmsnorm_shards_ref
-from tests._multiproc import finish_worker
+from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
 
 WORLD = 2
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _spawn(fn, *args) -> None:
@@ -484,12 +481,4 @@ def test_gpu_torch_compile_fullgraph_group_of_one():
 @pytest.mark.gpu
 @pytest.mark.dist
 def test_gpu_allreduce_check_torchrun():
-    n = torch.cuda.device_count()
-    if n < 2:
-        pytest.skip("needs >= 2 GPUs")
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1",
-               NVSHMEM_DISABLE_NVLS="1", PYTHONPATH=REPO)  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-           os.path.join(REPO, "tests", "distributed", "gpu_allreduce_check.py")]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    run_gpu_check_under_torchrun("gpu_allreduce_check.py", "ALL CHECKS PASSED")
