@@ -14,7 +14,7 @@ Figures: host µs per call while the GPU is kept busy (the median over batches o
 of 5 rounds taken in turns (the order rotating each round). The target, sequential ≤ direct +
 max(10 µs, 10 %), is judged on the gap sequential − direct measured in adjacent pairs of
 calls (the median over --pairs pairs, default 200, each call timed alone while the GPU is
-kept busy, see common.paired_host_gap_us), in CPU time of the process (time.process_time:
+kept busy, see common.paired_host_gaps_us), in CPU time of the process (time.process_time:
 the host's own work, the autograd engine's threads included), against 10 % of the direct
 call's CPU time. The same pairs by the wall clock are printed too: on a shared host they
 spread by hundreds of µs (time off the CPU), far more than the allowance. Also: eager µs of
@@ -47,7 +47,7 @@ from common import (
     graph_us,
     host_ms,
     host_us_per_call,
-    paired_host_gap_us,
+    paired_host_gaps_us,
     pyplot,
     save_figure,
     sleep_cycles_per_ms,
@@ -229,13 +229,13 @@ def measure(
             gaps.append(this["sequential"] - this["direct"])
         row["host_gap_rounds_us"] = gaps
         row["host_gap_rounds_median_us"] = statistics.median(gaps)
-        # sequential and direct called in adjacent pairs (see paired_host_gap_us), timed by
+        # sequential and direct called in adjacent pairs (see paired_host_gaps_us), timed by
         # the wall clock and by the process's CPU time; the verdict is the CPU time's
-        for key, clock in (("host_gap", time.perf_counter), ("host_gap_cpu", time.process_time)):
-            paired = paired_host_gap_us(
-                steps["sequential"], steps["direct"], pairs, cycles, per_batch=4,
-                fixed_count=tp, clock=clock,
-            )  # fmt: skip
+        by_clock = paired_host_gaps_us(
+            steps["sequential"], steps["direct"], pairs, cycles, per_batch=4,
+            fixed_count=tp, clocks=(time.perf_counter, time.process_time),
+        )  # fmt: skip
+        for key, paired in zip(("host_gap", "host_gap_cpu"), by_clock):
             row[f"{key}_us"], row[f"{key}_covered"] = paired.gap_us, paired.covered
             q = statistics.quantiles(paired.gaps_us, n=4)
             row[f"{key}_quartiles_us"] = [q[0], q[2]]
@@ -330,15 +330,14 @@ def print_table(rows: list[dict], smoke: bool) -> None:
             "sequential_eager_us",
             "unfused_eager_us",
         ]
-    print("\n" + " | ".join(["case", "rule", *cols, "target", "fused x"]))
+    print("\n" + " | ".join(["case", "rule", *cols, "cpu gap quartiles", "target", "fused x"]))
     for r in rows:
         vals = [f"{r.get(c, math.nan):.1f}" for c in cols]
+        q = r.get("host_gap_cpu_quartiles_us")
+        quartiles = f"{q[0]:+.1f} {q[1]:+.1f}" if q else "-"
         speed = f"{r['fused_speedup_eager']:.2f}" if "fused_speedup_eager" in r else "-"
-        print(
-            " | ".join(
-                [r["case"], r["rule"], *vals, "met" if r["host_target_met"] else "MISSED", speed]
-            )
-        )
+        verdict = "met" if r["host_target_met"] else "MISSED"
+        print(" | ".join([r["case"], r["rule"], *vals, quartiles, verdict, speed]))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -363,7 +362,11 @@ def main() -> None:
     ap.add_argument("--out", default="bench_out")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
     ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
-    ap.add_argument("--only", default="", help="run only the cases whose name contains this")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="run only the cases whose name contains one of these (comma-separated)",
+    )
     ap.add_argument("--pairs", type=int, default=200, help="adjacent call pairs for the gap")
     ap.add_argument(
         "--autocast", action="store_true",
@@ -386,9 +389,13 @@ def main() -> None:
         cases = make(args.smoke or not cuda, dev)
     smoke = args.smoke or not cuda
     cycles = sleep_cycles_per_ms() if cuda else None
+    writer = not args.tp or dist.get_rank() == 0
+    stem = "fusion_tp" if args.tp else "fusion_autocast" if args.autocast else "fusion"
+    json_path = os.path.join(args.out, f"{stem}.json")
+    device = torch.cuda.get_device_name() if cuda else "cpu"
     rows = []
     for name, rule, (seq, direct, sequential) in cases:
-        if args.only not in name:
+        if args.only and not any(part in name for part in args.only.split(",")):
             continue
         print(f"{name}: {rule}", flush=True)
         print("  " + str(seq.plan()).replace("\n", "\n  "), flush=True)
@@ -397,16 +404,16 @@ def main() -> None:
         )
         if cuda:
             torch.cuda.empty_cache()  # the CUDA graphs' memory pools
+        if writer:  # each case as it finishes: a run cut short keeps the cases it measured
+            print_table(rows[-1:], smoke)
+            write_json(json_path, {"device": device, "rows": rows}, True)
     if args.tp:
         # every rank leaves the group before exiting: a process that exits with a live gloo
         # group may abort in its threads' teardown
-        rank = dist.get_rank()
         dist.destroy_process_group()
-        if rank != 0:
-            return
-    stem = "fusion_tp" if args.tp else "fusion_autocast" if args.autocast else "fusion"
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    write_json(os.path.join(args.out, f"{stem}.json"), {"device": device, "rows": rows}, True)
+    if not writer:
+        return
+    write_json(json_path, {"device": device, "rows": rows}, True)
     plot(rows, os.path.join(args.out, f"{stem}.png"))
     print_table(rows, smoke)
 

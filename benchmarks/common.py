@@ -11,7 +11,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -271,66 +271,84 @@ class PairedGap(NamedTuple):
     b_us: float  # median of fn_b's own times
 
 
-def paired_host_gap_us(
+def paired_host_gaps_us(
     fn_a: Callable,
     fn_b: Callable,
     pairs: int,
     cycles_per_ms: float,
     per_batch: int = 8,
     fixed_count: bool = False,
-    clock: Callable[[], float] = time.perf_counter,
-) -> PairedGap:
-    """Host µs of one call of ``fn_a`` minus one call of ``fn_b``: the median over ``pairs``
-    pairs of adjacent calls, each call timed alone while the GPU is kept busy (``per_batch``
-    pairs behind one GPU sleep, the order within a pair alternating). A slow stretch of the
-    host (another tenant, a garbage collection) then hits both calls of a pair alike, where
-    timing each contender in its own batches lets it land on one of them: the difference of
-    two medians moves by far more than the gap itself. ``covered`` is False when a batch ran
-    past its GPU sleep even on retries, so the host waited on the GPU in it.
-    ``fixed_count``: no retries (the same number of calls on every rank, for calls that hold
-    a collective). ``clock``: seconds; ``time.process_time`` counts the CPU time of every
-    thread of the process (the autograd engine's device threads run a CUDA backward) and none
-    of the time the process was off the CPU or waiting, which wall-clock pairs on a shared
-    host pick up as a spread of hundreds of µs."""
+    clocks: Sequence[Callable[[], float]] = (time.perf_counter, time.process_time),
+) -> tuple[PairedGap, ...]:
+    """Host µs of one call of ``fn_a`` minus one call of ``fn_b``, one :class:`PairedGap` per
+    clock in ``clocks`` (seconds; each read at the same three points of a pair): the median
+    over ``pairs`` pairs of adjacent calls, each call timed alone while the GPU is kept busy
+    (``per_batch`` pairs behind one GPU sleep, the order within a pair alternating). A slow
+    stretch of the host (another tenant, a garbage collection) then hits both calls of a pair
+    alike, where timing each contender in its own batches lets it land on one of them: the
+    difference of two medians moves by far more than the gap itself. ``covered`` is False when
+    a batch ran past its GPU sleep even on retries, so the host waited on the GPU in it.
+    ``fixed_count``: no retries (the same number of calls on every rank, for calls that hold a
+    collective). ``time.process_time`` counts the CPU time of every thread of the process (the
+    autograd engine's device threads run a CUDA backward) and none of the time the process was
+    off the CPU or waiting, which wall-clock pairs on a shared host pick up as a spread of
+    hundreds of µs."""
     for _ in range(5):
         fn_a()
         fn_b()
     upper_ms = _synchronized_ms(fn_a, fn_b)
-    gaps: list[float] = []
-    a_times: list[float] = []
-    b_times: list[float] = []
-    misses, covered_all = 0, True
-    while len(gaps) < pairs:
-        k = min(per_batch, pairs - len(gaps))
-        torch.cuda._sleep(int((10 + 2 * k * upper_ms) * cycles_per_ms))
+    n = len(clocks)
+    gaps: list[list[float]] = [[] for _ in range(n)]
+    a_times: list[list[float]] = [[] for _ in range(n)]
+    b_times: list[list[float]] = [[] for _ in range(n)]
+    done, misses, covered_all = 0, 0, True
+
+    def read() -> list[float]:
+        return [c() for c in clocks]
+
+    while done < pairs:
+        k = min(per_batch, pairs - done)
+        torch.cuda._sleep(int((10 + 2 * (k + 1) * upper_ms) * cycles_per_ms))
         slept = torch.cuda.Event()
         slept.record()
+        # untimed: the first calls after a synchronisation run slower (a cold host), and the
+        # first pair of every batch would put that on the same contender
+        fn_a()
+        fn_b()
         batch = []
         for i in range(k):
-            first, second = (fn_a, fn_b) if (len(gaps) + i) % 2 == 0 else (fn_b, fn_a)
-            t0 = clock()
+            a_first = (done + i) % 2 == 0
+            first, second = (fn_a, fn_b) if a_first else (fn_b, fn_a)
+            t0 = read()
             first()
-            t1 = clock()
+            t1 = read()
             second()
-            t2 = clock()
-            a_s, b_s = ((t1 - t0), (t2 - t1)) if first is fn_a else ((t2 - t1), (t1 - t0))
-            batch.append((a_s * 1e6, b_s * 1e6))
+            t2 = read()
+            batch.append((a_first, t0, t1, t2))
         covered = not slept.query()
         torch.cuda.synchronize()
         # not covered: the host waited on the GPU in this batch, measure it again
         if covered or fixed_count or misses >= 3:
-            gaps += [a - b for a, b in batch]
-            a_times += [a for a, _ in batch]
-            b_times += [b for _, b in batch]
+            for a_first, t0, t1, t2 in batch:
+                for j in range(n):
+                    one, two = (t1[j] - t0[j]) * 1e6, (t2[j] - t1[j]) * 1e6
+                    a_us, b_us = (one, two) if a_first else (two, one)
+                    gaps[j].append(a_us - b_us)
+                    a_times[j].append(a_us)
+                    b_times[j].append(b_us)
+            done += k
             covered_all = covered_all and covered
         else:
             misses += 1
-    return PairedGap(
-        statistics.median(gaps),
-        gaps,
-        covered_all,
-        statistics.median(a_times),
-        statistics.median(b_times),
+    return tuple(
+        PairedGap(
+            statistics.median(gaps[j]),
+            gaps[j],
+            covered_all,
+            statistics.median(a_times[j]),
+            statistics.median(b_times[j]),
+        )
+        for j in range(n)
     )
 
 
