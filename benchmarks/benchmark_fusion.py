@@ -64,7 +64,7 @@ ROUNDS = 5
 DT = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the interpreter: no bf16
 
 
-def _step(fn, grads, leaves):
+def training_step(fn, grads, leaves):
     """One forward + backward of ``fn()`` against fixed output gradients, into fresh gradient
     tensors of ``leaves`` (no accumulation into ``.grad``, which a CUDA graph cannot hold)."""
 
@@ -76,7 +76,7 @@ def _step(fn, grads, leaves):
     return step
 
 
-def _grads(fn):
+def output_grads(fn):
     with torch.no_grad():
         out = fn()
     outs = out if isinstance(out, tuple) else (out,)
@@ -192,7 +192,7 @@ def measure(
     adaptive counts: a rank that makes one more call than another waits for ever) and no CUDA
     graphs are taken."""
     (direct, direct_leaves), (sequential, seq_leaves) = direct_case, sequential_case
-    grads = _grads(direct)
+    grads = output_grads(direct)
     # The two must agree before they are timed. No autograd graph may outlive this check: a
     # graph kept alive across the CUDA-graph capture below would break it.
     with torch.no_grad():
@@ -203,9 +203,9 @@ def measure(
     plan = seq.plan()  # for an input of the parameters' dtype and device
     fused = rule in plan.fused("forward") or rule in plan.fused("backward")
     steps = {
-        "sequential": _step(sequential, grads, seq_leaves),
-        "direct": _step(direct, grads, direct_leaves),
-        "unfused": _unfused(_step(sequential, grads, seq_leaves)),
+        "sequential": training_step(sequential, grads, seq_leaves),
+        "direct": training_step(direct, grads, direct_leaves),
+        "unfused": _unfused(training_step(sequential, grads, seq_leaves)),
     }
     row = {"case": name, "rule": rule, "applied": fused, "output_rel_err": err}
     if smoke:

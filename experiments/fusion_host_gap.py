@@ -40,11 +40,11 @@ def main() -> None:
         ("linear+add_rmsnorm T=256 H=4096", bf.linear_norm_case(256, 4096, dev)),
     ]
     for name, (_seq, (d, dl), (s, sl)) in cases:
-        grads = bf._grads(d)
+        grads = bf.output_grads(d)
         phases = {
             "fwd no grad": (nograd(s), nograd(d)),
             "fwd grad": (s, d),
-            "fwd+bwd": (bf._step(s, grads, sl), bf._step(d, grads, dl)),
+            "fwd+bwd": (bf.training_step(s, grads, sl), bf.training_step(d, grads, dl)),
         }
         print(f"== {name}")
         for phase, (fs, fd) in phases.items():
