@@ -33,10 +33,14 @@ the forward's cast (fp32 read, bf16 written) plus the fp32 weight gradients' ext
 per parameter over bf16 ones.
 
 With ``--ep N`` (under torchrun, one process per GPU): the Qwen3-30B-A3B and DeepSeek-V3 layers
-(E = 128 and 256, split over the N ranks, T tokens per rank), moekit dropless and with
-``capacity_factor`` against the torch-native layer with ``all_to_all_single``; tokens/s per GPU
-and the share of the step spent in the all-to-alls. Run it with ``--ep 1`` on one GPU of the
-same machine for the scaling efficiency (``--ep-baseline`` takes that JSON).
+(E = 128 and 256, split over the N ranks, T tokens per rank): moekit dropless (the symmetric
+exchange where it runs), with ``capacity_factor``, and with the all-to-all exchange, against the
+torch-native layer with ``all_to_all_single``; tokens/s per GPU (the slowest rank's time, a
+fixed number of calls on every rank), peak memory, the exchange alone (dispatch + combine
+forward on the layer's routing, timed from a CUDA graph: GB/s per GPU of the bytes read from
+peers) against the GPU1→GPU0 copy-engine rate, and the exchange's share of the step. Run it
+with ``--ep 1`` on one GPU of the same machine for the scaling efficiency (``--ep-baseline``
+takes that JSON); ``benchmarks/run_moe_ep.sh`` runs the checks and every EP size.
 
 Writes moe_layer.json (moe_layer_ep<N>.json) and a PNG under --out.
 """
@@ -57,6 +61,7 @@ from common import (
     bench_ms,
     copy_gb_per_s,
     error_line,
+    fixed_count_ms,
     graph_us,
     host_ms,
     interleaved_rounds,
@@ -68,7 +73,7 @@ from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
-from moekit.nn import MoELayer
+from moekit.nn import ExpertParallelConfig, MoELayer
 from moekit.ops.router import route
 
 DSV3 = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
@@ -98,14 +103,15 @@ def log(*args) -> None:
     print(*args, flush=True)
 
 
-def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None):
+def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None,
+               ep_config=None):  # fmt: skip
     """The layer (all E experts, or this rank's share), its input and output gradient. The
     router leans towards some experts along one direction of the input, so the routing is
     skewed the same way for every contender."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     layer = MoELayer(
         H, Fd, E, k, aux_loss_coeff=AUX_LOSS_COEFF, ep_group=ep_group, capacity_factor=capacity,
-        device=device, dtype=dtype, **opts,
+        ep_config=ep_config, device=device, dtype=dtype, **opts,
     )  # fmt: skip
     with torch.no_grad():
         u = torch.randn(H, generator=gen)
@@ -437,44 +443,107 @@ def plot(rows, path) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+EP_CALLS = 20  # timed calls per contender and round: a fixed count on every rank
+
+
 def run_ep_shape(name, spec, args, device) -> dict:
+    """One shape at EP W: tokens/s per GPU of every contender (the slowest rank's time), the
+    exchange alone (GB/s per GPU of the bytes that cross NVLink) and its share of the step."""
     import torch.distributed as dist
 
     T, E, k, H, Fd, opts, _ = spec
     W = dist.get_world_size()
     group = dist.group.WORLD if W > 1 else None
     res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
-    time_fn = lambda f: _max_over_ranks(bench_ms(f, warmup=10, rep=100))
-    fns = {}
-    for mode, cf in (("moekit", None), ("moekit_capacity", CAPACITY_FACTOR)):
-        layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf)
+    time_fn = lambda f: _max_over_ranks(fixed_count_ms(f, warmup=3, calls=EP_CALLS))
+    fns, layers = {}, {}
+    modes = [("moekit", None, "auto"), ("moekit_capacity", CAPACITY_FACTOR, "auto")]
+    if W > 1:
+        modes.append(("moekit_all_to_all", None, "all_to_all"))
+    first = None
+    for mode, cf, backend in modes:
+        config = ExpertParallelConfig(backend=backend) if group is not None else None
+        if first is None:
+            layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf,
+                                      config)  # fmt: skip
+            first = layer
+        else:  # the same parameters (one copy of the experts in memory)
+            layer = MoELayer(
+                H, Fd, E, k, aux_loss_coeff=AUX_LOSS_COEFF, ep_group=group, capacity_factor=cf,
+                ep_config=config, device="meta", dtype=args.dtype, **opts,
+            )  # fmt: skip
+            layer.router, layer.experts = first.router, first.experts
         contenders = steps(layer, x, dy, False, group)
-        fns[mode] = contenders["moekit"]
+        fns[mode], layers[mode] = contenders["moekit"], (layer, x)
         if mode == "moekit":
             res.update(routing_stats(layer, x))
             fns["torch"] = contenders["torch"]
     for fn in fns.values():
         fn()
+    if group is not None:
+        res["backend"] = layers["moekit"][0].ep.last_exchange.backend
     best, _ = interleaved_rounds(fns, 2, time_fn, on_error=_report(res))
     for c, ms in best.items():
         res[f"{c}_ms"] = ms
         res[f"{c}_tokens_per_s"] = T / ms * 1e3
-    if group is not None:
-        res["alltoall_share"] = _alltoall_share(fns["moekit"])
+        res[f"{c}_peak_mib"] = peak_mib(fns[c], True)
     res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
+    if group is not None:
+        res.update(_exchange_figures(*layers["moekit"], group))
+        res["exchange_kernel_share"] = _exchange_share(fns["moekit"])
+        res["exchange_share"] = res["exchange_step_ms"] / res["moekit_ms"]
     return res
 
 
-def _max_over_ranks(v: float) -> float:
+def _exchange_figures(layer, x, group) -> dict:
+    """The layer's exchange alone, on its own routing: dispatch + combine forward (the backward
+    moves the same bytes the other way). GB/s per GPU counts the bytes each rank reads from
+    its peers (its own tokens excluded), over the slowest rank's time."""
     import torch.distributed as dist
 
-    t = torch.tensor([v], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
+    from moekit.ops.expert_exchange import ExpertExchange
+
+    with torch.no_grad():
+        r = layer.router(x.detach())
+    ep = layer.ep
+    xs = x.detach()
+
+    def exchange():
+        ex = ExpertExchange(r.indices, layer.num_experts, group, ep.max_tokens, "auto")
+        rows, _, _ = ex.dispatch(xs, r.probs)
+        return ex.combine(rows), ex
+
+    _, ex = exchange()
+    ms = _max_over_ranks(fixed_count_ms(lambda: exchange(), warmup=3, calls=EP_CALLS))
+    # the GPU's own time: the exchange alone is a chain of small launches that the host cannot
+    # issue as fast as the GPU runs them (inside a layer step the host runs ahead)
+    graph_ms = math.nan
+    if ex.backend == "symmetric":
+        graph_ms = _max_over_ranks(graph_us(lambda: exchange()[0], 5, fixed_count=True) / 1e3)
+    rank, W = dist.get_rank(), dist.get_world_size()
+    if ex.backend == "symmetric":
+        table = ex.table.long()
+    else:  # the counts, all-gathered
+        table = torch.empty(W, W, dtype=torch.long, device=x.device)
+        dist.all_gather_into_tensor(table, ex.routes.sends.long(), group=group)
+    remote_in = int(table[:, rank].sum() - table[rank, rank])
+    remote_out = int(table[rank].sum() - table[rank, rank])
+    nbytes = (remote_in + remote_out) * x.shape[1] * x.element_size()
+    mean_bytes = _mean_over_ranks(float(nbytes))
+    gpu_ms = graph_ms if graph_ms == graph_ms else ms
+    return {
+        "exchange_fwd_eager_ms": ms,
+        "exchange_fwd_ms": gpu_ms,
+        "exchange_step_ms": 2 * gpu_ms,  # forward and backward move the same bytes
+        "exchange_gb_per_s": mean_bytes / gpu_ms / 1e6,
+        "exchange_eager_gb_per_s": mean_bytes / ms / 1e6,
+        # ranks a token goes to, on average over every rank's tokens
+        "ranks_per_token": float(table.sum()) / _sum_over_ranks(float(x.shape[0])),
+    }
 
 
-def _alltoall_share(fn) -> float:
-    """Share of the step's GPU kernel time in NCCL kernels (torch profiler)."""
+def _exchange_share(fn) -> float:
+    """Share of the step's GPU kernel time in the exchange's kernels (NCCL or moekit's)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -482,20 +551,74 @@ def _alltoall_share(fn) -> float:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    total = nccl = 0.0
+    total = ex = 0.0
     for e in prof.key_averages():
         t = e.device_time_total
         total += t
-        if "nccl" in e.key.lower():
-            nccl += t
-    return nccl / total if total else math.nan
+        key = e.key.lower()
+        if any(n in key for n in ("nccl", "_pull_", "_exchange_barrier", "_copy_rows")):
+            ex += t
+    return ex / total if total else math.nan
+
+
+def _reduce_over_ranks(v: float, op) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([v], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
+def _max_over_ranks(v: float) -> float:
+    import torch.distributed as dist
+
+    return _reduce_over_ranks(v, dist.ReduceOp.MAX)
+
+
+def _sum_over_ranks(v: float) -> float:
+    import torch.distributed as dist
+
+    return _reduce_over_ranks(v, dist.ReduceOp.SUM)
+
+
+def _mean_over_ranks(v: float) -> float:
+    import torch.distributed as dist
+
+    return _sum_over_ranks(v) / dist.get_world_size()
+
+
+def p2p_copy_gb_per_s(nbytes: int = 1 << 30) -> float:
+    """Copy rate from GPU 1 into GPU 0 of this host (the copy engines over NVLink), GB/s of
+    bytes moved; timed on rank 0 (the others wait). The ceiling of one peer-to-peer stream."""
+    import torch.distributed as dist
+
+    rate = math.nan
+    if dist.get_rank() == 0 and torch.cuda.device_count() > 1:
+        src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:1").normal_()
+        dst = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:0")
+        for _ in range(3):
+            dst.copy_(src)
+        torch.cuda.synchronize(0)
+        torch.cuda.synchronize(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize(0)
+        rate = 10 * nbytes / start.elapsed_time(end) / 1e6
+        del src, dst
+    t = torch.tensor([rate], device="cuda", dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return float(t)
 
 
 def main_ep(args) -> None:
     import torch.distributed as dist
 
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        os.environ.setdefault(var, "0" if var == "NCCL_NVLS_ENABLE" else "1")
+    from moekit.distributed import disable_multicast_env
+
+    disable_multicast_env()
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
     if "RANK" in os.environ:
@@ -508,38 +631,55 @@ def main_ep(args) -> None:
     W = dist.get_world_size()
     if args.ep != W:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, got {W}")
+    p2p = p2p_copy_gb_per_s() if W > 1 else math.nan
     rows = []
     for name, spec in EP_SHAPES.items():
         if args.shapes and name not in args.shapes:
             continue
         r = run_ep_shape(name, spec, args, "cuda")
+        r["p2p_copy_gb_per_s"] = p2p
         rows.append(r)
         if dist.get_rank() == 0:
             log(json.dumps(r))
+        torch.cuda.empty_cache()
     if dist.get_rank() == 0:
         base = {}
         if args.ep_baseline:
             with open(args.ep_baseline) as f:
                 base = {r["shape"]: r for r in json.load(f)["rows"]}
-        lines = [f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}"]
-        head = f"{'shape':<15}{'moekit':>10}{'capacity':>10}{'torch':>10}{'×torch':>8}"
-        lines += [head + f"{'a2a share':>10}{'scaling':>9}"]
         for r in rows:
             b = base.get(r["shape"])
-            r["scaling_efficiency"] = (
-                r["moekit_tokens_per_s"] / b["moekit_tokens_per_s"] if b else math.nan
-            )
-            lines.append(
-                f"{r['shape']:<15}{r['moekit_tokens_per_s']:>10.0f}"
-                f"{r['moekit_capacity_tokens_per_s']:>10.0f}{r['torch_tokens_per_s']:>10.0f}"
-                f"{r['speedup_vs_torch']:>8.2f}{r.get('alltoall_share', math.nan):>10.2f}"
-                f"{r['scaling_efficiency']:>9.2f}"
-            )
-        log("\n".join(lines))
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": W}
+            for c in ("moekit", "moekit_capacity"):
+                r[f"{c}_scaling"] = r[f"{c}_tokens_per_s"] / b["moekit_tokens_per_s"] if b \
+                    else math.nan  # fmt: skip
+        log("\n".join(ep_table(rows, W, p2p)))
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": W,
+                "p2p_copy_gb_per_s": p2p}  # fmt: skip
         write_json(os.path.join(args.out, f"moe_layer_ep{W}.json"), {"meta": meta, "rows": rows},
                    nan_as_null=True)  # fmt: skip
     dist.destroy_process_group()
+
+
+def ep_table(rows, W: int, p2p: float) -> list[str]:
+    lines = [f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}; "
+             f"GPU1→GPU0 copy {p2p:.0f} GB/s"]  # fmt: skip
+    head = (f"{'shape':<15}{'moekit':>10}{'capacity':>10}{'a2a':>10}{'torch':>10}{'×torch':>8}"
+            f"{'scaling':>8}{'cap sc.':>8}{'xchg GB/s':>10}{'% p2p':>7}{'xchg share':>11}"
+            f"{'peak MiB':>9}")  # fmt: skip
+    lines.append(head)
+    for r in rows:
+        gb = r.get("exchange_gb_per_s", math.nan)
+        lines.append(
+            f"{r['shape']:<15}{r['moekit_tokens_per_s']:>10.0f}"
+            f"{r['moekit_capacity_tokens_per_s']:>10.0f}"
+            f"{r.get('moekit_all_to_all_tokens_per_s', math.nan):>10.0f}"
+            f"{r['torch_tokens_per_s']:>10.0f}{r['speedup_vs_torch']:>8.2f}"
+            f"{r.get('moekit_scaling', math.nan):>8.2f}"
+            f"{r.get('moekit_capacity_scaling', math.nan):>8.2f}{gb:>10.0f}"
+            f"{100 * gb / p2p if p2p == p2p else math.nan:>7.0f}"
+            f"{r.get('exchange_share', math.nan):>11.2f}{r['moekit_peak_mib']:>9.0f}"
+        )
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------

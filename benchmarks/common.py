@@ -132,8 +132,10 @@ def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn, calls: int = 20) -> float:
-    """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls."""
+def graph_us(fn, calls: int = 20, fixed_count: bool = False) -> float:
+    """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls.
+    ``fixed_count``: replay a fixed number of times (calls that hold a collective, see
+    :func:`fixed_count_ms`)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -146,6 +148,8 @@ def graph_us(fn, calls: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    if fixed_count:
+        return fixed_count_ms(graph.replay, warmup=3, calls=10) * 1e3 / calls
     return bench_ms(graph.replay, warmup=10, rep=50) * 1e3 / calls
 
 

@@ -1,23 +1,27 @@
 """Train a small decoder-only MoE language model with moekit, on text that ships with Python.
 
     python examples/train_moe.py                      # tiny config, CPU-friendly (make run)
-    python examples/train_moe.py --config small       # larger sizes (GPU)
-    python examples/train_moe.py --resume             # continue the run folder's checkpoint
+    python examples/train_moe.py --config mid         # larger sizes (GPU)
+    python examples/train_moe.py --stop-after 500     # ... then --resume continues identically
     python examples/train_moe.py --baseline torch     # same model, torch-native MoE layers
-    torchrun --nproc_per_node=2 examples/train_moe.py --ep 2   # experts split over 2 GPUs
+    torchrun --nproc_per_node=4 examples/train_moe.py --ep 4 --config mid   # experts on 4 GPUs
 
 The corpus is the Python standard library's own source files, read bytewise (vocabulary 256),
 so nothing is downloaded. Each block is RMSNorm → causal self-attention
 (``scaled_dot_product_attention``) → RMSNorm → ``moekit.nn.MoELayer``, with residuals; the
-output head is tied to the token embedding. A progress bar shows the loss and tokens/s; at the
-end the script prints the validation loss and writes ``losses.json``, ``loss_curve.png`` and
-``checkpoint.pt`` under ``--out`` (default ``runs/<config>-<baseline>``). CPU tensors run
-moekit's PyTorch reference path; on a GPU the Triton kernels run (bf16).
+output head is tied to the token embedding. On a terminal a progress bar shows the loss and
+tokens/s (plain log lines otherwise); at the end the script prints the validation loss and
+writes ``losses.json``, ``loss_curve.png`` and ``checkpoint/`` under ``--out`` (default
+``runs/<config>-<baseline>[-ep<N>]``; an existing run there is never overwritten unless
+``--overwrite``). CPU tensors run moekit's PyTorch reference path; on a GPU the Triton kernels
+run (bf16). The learning rate warms up linearly, then follows a cosine (torch's ``LinearLR``
+then ``CosineAnnealingLR``).
 
-With ``--ep N`` (under torchrun, N processes) the experts of every MoE layer are split over the
-N ranks (``MoELayer(ep_group=...)``) and each rank takes 1/N of every batch; the other weights
-are replicated and their gradients averaged, so the run follows the single-process one from
-the same seed. Each rank writes its own ``checkpoint-rank<r>.pt``.
+Under torchrun (W processes) with ``--ep N``: a ``DeviceMesh`` (W/N data-parallel × N expert-
+parallel), each MoE layer's experts split over the expert-parallel ranks, FSDP2 for every other
+weight, each rank 1/W of every batch, so the run follows the single-process one from the same
+seed (``examples/train_moe_parallel.py``). Checkpoints are ``torch.distributed.checkpoint``
+folders that reload at any EP size (``--resume`` with another ``--ep``).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -37,6 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the example's own modules
+
+from train_moe_parallel import Parallel
+from train_moe_plot import label, save_figure
 
 from benchmarks.torch_moe import torch_moe, with_loss
 from moekit.nn import MoELayer, RMSNorm
@@ -114,6 +123,7 @@ class TorchMoE(MoELayer):
             tokens, r.weight, self.experts.fc1_weight, self.experts.fc2_weight, self.k,
             aux_loss_coeff=r.aux_loss_coeff, expert_bias=r.expert_bias, **r.route_kwargs,
         )  # fmt: skip
+        self.last_aux_loss = aux.detach()
         return with_loss(y, aux).view(x.shape)
 
 
@@ -156,122 +166,61 @@ class MoELM(nn.Module):
 # Training
 # ------------------------------------------------------------------------------------------------
 
+LOG_EVERY = 10  # steps between read-backs of the losses (each one waits for the GPU)
+EVALS = 8  # validation points over a run
 
-def evaluate(model, data, cfg, device, ep, batches: int = 8) -> float:
+
+def evaluate(model, data, cfg, device, par, batches: int = 8) -> float:
     gen = torch.Generator().manual_seed(1234)
     model.eval()
     total = 0.0
     with torch.no_grad():
         for _ in range(batches):
-            x, y = ep.shard(*batch(data, cfg, gen, device))
-            total += float(ep.mean(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
+            x, y = par.shard(*batch(data, cfg, gen, device))
+            total += float(par.mean(F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())))
     model.train()
     return total / batches
 
 
-# ------------------------------------------------------------------------------------------------
-# Expert parallelism (--ep N under torchrun)
-# ------------------------------------------------------------------------------------------------
+def build_model(cfg: Config, baseline: str, par: Parallel, device, dtype) -> nn.Module:
+    """The single-process model (its weights from the seed alone) with this rank's experts,
+    sharded by FSDP2 over the ranks."""
+    moe_cls = MoELayer if baseline == "moekit" else TorchMoE
+    model = MoELM(cfg, moe_cls).to(device, dtype)
+    if par.size == 1:
+        return model
+    group = par.ep_group
 
-EXPERT_WEIGHTS = ("experts.fc1_weight", "experts.fc2_weight")
+    class RankMoE(moe_cls):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, ep_group=group, **kwargs)
 
-
-class ExpertParallel:
-    """The ranks of an --ep run (a single process is the group of one): batch shards, the
-    model with each rank's share of the experts, gradient averaging and global clipping."""
-
-    def __init__(self, size: int, device: str) -> None:
-        self.size, self.rank, self.group = size, 0, None
-        if size > 1:
-            if int(os.environ.get("WORLD_SIZE", "1")) != size:
-                raise SystemExit(f"--ep {size} needs torchrun --nproc_per_node={size}")
-            if device == "cuda":
-                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-            dist.init_process_group("nccl" if device == "cuda" else "gloo")
-            self.rank, self.group = dist.get_rank(), dist.group.WORLD
-
-    def build(self, cfg: Config, moe_cls: type[MoELayer], device, dtype) -> nn.Module:
-        """The single-process model (same seed, same weights), with this rank's experts."""
-        model = MoELM(cfg, moe_cls).to(device, dtype)
-        if self.size == 1:
-            return model
-        group = self.group
-
-        class RankMoE(moe_cls):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, ep_group=group, **kwargs)
-
-        state = model.state_dict()
-        n = cfg.num_experts // self.size
-        for name in state:
-            if name.endswith(EXPERT_WEIGHTS):
-                state[name] = state[name][self.rank * n : (self.rank + 1) * n].clone()
-        ep_model = MoELM(cfg, RankMoE).to(device, dtype)
-        ep_model.load_state_dict(state)
-        return ep_model
-
-    def shard(self, x: torch.Tensor, y: torch.Tensor) -> tuple:
-        n = x.shape[0] // self.size
-        return x[self.rank * n : (self.rank + 1) * n], y[self.rank * n : (self.rank + 1) * n]
-
-    def mean(self, t: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
-            t = t.detach().clone()
-            dist.all_reduce(t)
-            t /= self.size
-        return t
-
-    def sync_and_clip(self, model: nn.Module, max_norm: float) -> None:
-        """Average the replicated weights' gradients; the experts' gradients already hold every
-        rank's tokens (each rank's loss is a mean over its shard, hence / N). Then clip by the
-        global norm."""
-        if self.size == 1:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            return
-        local_sq = torch.zeros((), device=next(model.parameters()).device)
-        shared_sq = torch.zeros_like(local_sq)
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            if name.endswith(EXPERT_WEIGHTS):
-                p.grad /= self.size
-                local_sq += p.grad.float().square().sum()
-            else:
-                dist.all_reduce(p.grad)
-                p.grad /= self.size
-                shared_sq += p.grad.float().square().sum()
-        dist.all_reduce(local_sq)
-        scale = (max_norm / ((local_sq + shared_sq).sqrt() + 1e-6)).clamp(max=1.0)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+    state = par.local_experts(model.state_dict(), cfg.num_experts)
+    ranked = MoELM(cfg, RankMoE if group is not None else moe_cls).to(device, dtype)
+    ranked.load_state_dict(state)
+    return par.shard_model(ranked)
 
 
-def save_curve(losses: list[float], path: str, title: str) -> None:
-    try:
-        import matplotlib
+def schedule(opt: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LRScheduler:
+    """Linear warm-up over the first 5% of the steps, then a cosine down to zero."""
+    from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, lw=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats/byte)")
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    warmup = max(2, cfg.steps // 20)
+    cosine = CosineAnnealingLR(opt, T_max=max(1, cfg.steps - warmup))
+    if cfg.steps <= warmup:
+        return cosine
+    ramp = LinearLR(opt, start_factor=1 / warmup, end_factor=1.0, total_iters=warmup - 1)
+    return SequentialLR(opt, [ramp, cosine], milestones=[warmup])
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--baseline", choices=("moekit", "torch"), default="moekit")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: the config's)")
     p.add_argument("--out", default=None, help="run folder (default runs/<config>-<baseline>)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint.pt")
+    p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier run in <out>")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stop-after", type=int, default=None,
@@ -289,121 +238,175 @@ def main(argv: list[str] | None = None) -> dict:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --out, --overwrite replaces it: pick one")
+    return args
+
+
+def run_folder(args, par: Parallel) -> str:
+    """The run folder, checked: no earlier run is overwritten silently."""
+    name = f"{args.config}-{args.baseline}" + (f"-ep{args.ep}" if args.ep > 1 else "")
+    out = args.out or os.path.join("runs", name)
+    ckpt = os.path.join(out, "checkpoint")
+    if args.resume and not os.path.exists(os.path.join(ckpt, ".metadata")):
+        raise SystemExit(f"--resume: no checkpoint at {ckpt}")
+    had_run = any(os.path.exists(os.path.join(out, f)) for f in ("losses.json", "checkpoint"))
+    if had_run and not (args.resume or args.overwrite):
+        raise SystemExit(
+            f"{out} holds an earlier run: --resume continues it, --overwrite replaces it, or "
+            "choose another --out"
+        )
+    if par.rank == 0:
+        if args.overwrite:
+            for f in ("losses.json", "loss_curve.png", "log.txt"):
+                if os.path.exists(os.path.join(out, f)):
+                    os.remove(os.path.join(out, f))
+            shutil.rmtree(ckpt, ignore_errors=True)
+        os.makedirs(out, exist_ok=True)
+    if par.size > 1:
+        dist.barrier()
+    return out
+
+
+class Progress:
+    """tqdm's bar on a terminal (rank 0); elsewhere a log line every tenth of the run, also
+    appended to <out>/log.txt."""
+
+    def __init__(self, steps: range, title: str, quiet: bool, rank: int, out: str) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            tqdm = None
+        self.rank, self.total = rank, steps.stop
+        self.bar = None
+        if tqdm is not None and not quiet and rank == 0 and sys.stderr.isatty():
+            self.bar = tqdm(steps, desc=title)
+        self.steps = self.bar if self.bar is not None else steps
+        self.every = max(1, self.total // 10)
+        self.log = os.path.join(out, "log.txt")
+
+    def update(self, step: int, loss: float, tok_s: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:,.0f}")
+        elif self.rank == 0 and ((step + 1) % self.every < LOG_EVERY or step + 1 == self.total):
+            self.say(f"step {step + 1}/{self.total}  loss {loss:.4f}  {tok_s:,.0f} tok/s")
+
+    def say(self, text: str) -> None:
+        if self.rank == 0:
+            print(text, flush=True)
+            with open(self.log, "a") as f:
+                f.write(text + "\n")
+
+
+def moe_layers(model: nn.Module) -> list[MoELayer]:
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     cfg = CONFIGS[args.config]
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
     if args.batch is not None:
         cfg = dataclasses.replace(cfg, batch=args.batch)
-    out = args.out or os.path.join("runs", f"{args.config}-{args.baseline}")
-    os.makedirs(out, exist_ok=True)
+    if args.ep > 1 and args.baseline != "moekit":
+        raise SystemExit("--ep runs the moekit layers only")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    if args.dtype is not None:
-        dtype = getattr(torch, args.dtype)
+    dtype = getattr(torch, args.dtype) if args.dtype else (
+        torch.bfloat16 if device == "cuda" else torch.float32
+    )  # fmt: skip
+    par = Parallel(args.ep, device)
+    if cfg.batch % par.size:  # each rank trains on its own equal share of the batch
+        raise SystemExit(f"--batch ({cfg.batch}) must be a multiple of the ranks ({par.size})")
+    if cfg.num_experts % args.ep:
+        raise SystemExit(f"--ep {args.ep} must divide the {cfg.num_experts} experts")
+    out = run_folder(args, par)
     torch.manual_seed(args.seed)
     data = load_corpus(cfg.corpus_mb)
     split = int(data.numel() * 0.95)
     train, val = data[:split], data[split:]
-    ep = ExpertParallel(args.ep, device)
-    if args.ep > 1 and args.baseline != "moekit":
-        raise SystemExit("--ep runs the moekit layers only")
-    if cfg.batch % ep.size:  # each rank trains on its own equal share of the batch
-        raise SystemExit(f"--batch ({cfg.batch}) must be a multiple of --ep ({ep.size})")
-    model = ep.build(cfg, MoELayer if args.baseline == "moekit" else TorchMoE, device, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, eps=1e-6)
+    model = build_model(cfg, args.baseline, par, device, dtype)
+    # AdamW's foreach kernels take one kind of tensor per call: FSDP2's DTensors and the plain
+    # expert weights do not mix
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0, eps=1e-6,
+                            foreach=par.size == 1)  # fmt: skip
+    sched = schedule(opt, cfg)
     gen = torch.Generator().manual_seed(args.seed)
-    losses: list[float] = []
-    ckpt_path = os.path.join(
-        out, "checkpoint.pt" if ep.size == 1 else f"checkpoint-rank{ep.rank}.pt"
-    )
+    layers = moe_layers(model)
+    E = cfg.num_experts
+    record = {"losses": [], "aux": [], "val": []}
+    load = torch.zeros(len(layers), E, device=device)  # tokens routed per layer and expert
+    ckpt = os.path.join(out, "checkpoint")
     if args.resume:
-        if not os.path.exists(ckpt_path):
-            raise SystemExit(f"--resume: no checkpoint at {ckpt_path}")
-        ckpt = torch.load(ckpt_path, map_location=device, weights_only=False)
-        saved = ckpt["config"]
-        now = dataclasses.asdict(cfg)
-        changed = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        extra = {"data_rng": gen.get_state(), "meta": "", "load": load.cpu()}
+        got = par.load(ckpt, model, opt, sched, extra)
+        meta = json.loads(got["meta"])  # the config and the record so far
+        changed = {k: (meta["config"].get(k), v) for k, v in dataclasses.asdict(cfg).items()
+                   if meta["config"].get(k) != v}  # fmt: skip
         if changed:  # the data stream and the LR schedule would silently differ
             diffs = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
             raise SystemExit(f"--resume with another configuration than the checkpoint's ({diffs})")
-        model.load_state_dict(ckpt["model"])
-        opt.load_state_dict(ckpt["optimizer"])
-        gen.set_state(ckpt["data_rng"].cpu())  # a CPU generator's state, whatever map_location
-        losses = ckpt["losses"]
-    start = len(losses)
-    warmup = max(1, cfg.steps // 20)
-
-    def lr_at(step: int) -> float:
-        if step < warmup:
-            return cfg.lr * (step + 1) / warmup
-        return cfg.lr * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, cfg.steps - warmup)))
-
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
+        gen.set_state(got["data_rng"])
+        record = meta["record"]
+        load = got["load"].to(device)
+    start = len(record["losses"])
     end = cfg.steps if args.stop_after is None else min(cfg.steps, args.stop_after)
-    steps = range(start, end)
-    bar = (
-        tqdm(steps, desc=f"{args.config}/{args.baseline}", disable=args.no_progress or ep.rank > 0)
-        if tqdm
-        else steps
-    )
+    title = f"{args.config}/{args.baseline}" + (f"/ep{args.ep}" if args.ep > 1 else "")
+    progress = Progress(range(start, end), title, args.no_progress, par.rank, out)
     tokens_per_step = cfg.batch * cfg.seq
-    pending: list[torch.Tensor] = []  # losses still on the device: read every LOG_EVERY steps
+    eval_every = max(1, cfg.steps // EVALS)
+    local_load = torch.zeros_like(load)
+    pending: list[torch.Tensor] = []  # [loss, aux] on the device, read back every LOG_EVERY
     t0 = time.perf_counter()
-    steady = None  # (steps, time) at the first read-back: tokens/s after the first steps
-    for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step)
-        x, y = ep.shard(*batch(train, cfg, gen, device))
+    for step in progress.steps:
+        x, y = par.shard(*batch(train, cfg, gen, device))
         loss = F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        ep.sync_and_clip(model, 1.0)
+        par.finish_grads_and_clip(model, 1.0)
         opt.step()
-        pending.append(ep.mean(loss).detach())
+        sched.step()
+        aux = sum((m.last_aux_loss for m in layers if m.last_aux_loss is not None),
+                  torch.zeros((), device=device))  # fmt: skip
+        pending.append(par.mean(torch.stack([loss.detach(), aux])))
+        for i, m in enumerate(layers):
+            if m.last_counts is not None:
+                local_load[i] += m.last_counts
+        if (step + 1) % eval_every == 0 or step + 1 == cfg.steps:
+            record["val"].append((step + 1, evaluate(model, val, cfg, device, par)))
         if len(pending) < LOG_EVERY and step + 1 < end:
             continue
-        losses.extend(torch.stack(pending).float().tolist())  # the one host sync per window
+        both = torch.stack(pending).float().tolist()  # the one host sync per window
+        record["losses"] += [a for a, _ in both]
+        record["aux"] += [b for _, b in both]
         pending.clear()
-        now = time.perf_counter()
-        steady = steady or (step + 1 - start, now)
-        rate = (step - start + 1) * tokens_per_step / (now - t0)
-        if tqdm is not None and not args.no_progress:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-        elif ep.rank == 0 and ((step + 1) % 100 < LOG_EVERY or step + 1 == end):
-            print(f"step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}  {rate:,.0f} tok/s")
+        rate = (step - start + 1) * tokens_per_step / (time.perf_counter() - t0)
+        progress.update(step, record["losses"][-1], rate)
     elapsed = time.perf_counter() - t0
     tok_s = (end - start) * tokens_per_step / max(elapsed, 1e-9)
-    tok_s_steady = tok_s
-    if steady is not None and end - start > steady[0]:
-        tok_s_steady = (
-            (end - start - steady[0]) * tokens_per_step / (time.perf_counter() - steady[1])
-        )
-    val_loss = evaluate(model, val, cfg, device, ep)
-    torch.save(
-        {"model": model.state_dict(), "optimizer": opt.state_dict(), "data_rng": gen.get_state(),
-         "losses": losses, "config": dataclasses.asdict(cfg)},
-        ckpt_path,
-    )  # fmt: skip
+    val_loss = evaluate(model, val, cfg, device, par)
+    load = load + par.sum(local_load)
+    meta = json.dumps({"config": dataclasses.asdict(cfg), "record": record})
+    par.save(ckpt, model, opt, sched, {"data_rng": gen.get_state(), "meta": meta,
+             "load": load.cpu()})  # fmt: skip
+    share = (load / load.sum(1, keepdim=True).clamp_min(1) * E).tolist() if load.any() else None
     result = {
         "config": args.config, "baseline": args.baseline, "device": device, "steps": cfg.steps,
-        "dtype": str(dtype).removeprefix("torch."), "ep": ep.size,
-        "losses": losses, "val_loss": val_loss, "tokens_per_s": tok_s,
-        "tokens_per_s_after_first_steps": tok_s_steady, "batch": cfg.batch,
+        "dtype": str(dtype).removeprefix("torch."), "ep": args.ep, "world": par.size,
+        **record, "expert_load": share, "val_loss": val_loss, "tokens_per_s": tok_s,
+        "tokens_per_s_per_gpu": tok_s / par.size, "batch": cfg.batch, "seconds": elapsed,
     }  # fmt: skip
-    if ep.rank == 0:
+    if par.rank == 0:
         with open(os.path.join(out, "losses.json"), "w") as f:
             json.dump(result, f)
-        title = f"{args.config} / {args.baseline}" + (f" / ep{ep.size}" if ep.size > 1 else "")
-        save_curve(losses, os.path.join(out, "loss_curve.png"), title)
-        print(
-            f"done: {len(losses)}/{cfg.steps} steps, train loss {losses[-1]:.4f}, validation "
-            f"loss {val_loss:.4f} nats/byte, {tok_s:,.0f} tokens/s ({device}"
-            f"{f', {ep.size} ranks' if ep.size > 1 else ''}); run folder {out}"
+        save_figure(result, out, os.path.join(out, "loss_curve.png"))
+        progress.say(
+            f"done: {len(record['losses'])}/{cfg.steps} steps, train loss "
+            f"{record['losses'][-1]:.4f}, validation loss {val_loss:.4f} nats/byte, "
+            f"{tok_s / par.size:,.0f} tokens/s per {'GPU' if device == 'cuda' else 'process'} "
+            f"({label(result)}); run folder {out}"
         )
-    if ep.size > 1:
+    if par.size > 1:
         dist.destroy_process_group()
     return result
 

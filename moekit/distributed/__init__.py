@@ -14,6 +14,7 @@ from moekit.distributed.env import (
 from moekit.distributed.symmetric_pool import (
     DEFAULT_POOL_BYTES,
     SymmetricPool,
+    clear_pools,
     get_pool,
     set_pool,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "NO_MULTICAST_ENV",
     "DistInfo",
     "SymmetricPool",
+    "clear_pools",
     "disable_multicast_env",
     "get_pool",
     "group_from_name",

@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_POOL_BYTES",
     "EPOCH_WORDS",
     "SymmetricPool",
+    "clear_pools",
     "get_pool",
     "pool_generation",
     "set_pool",
@@ -167,7 +168,8 @@ class SymmetricPool:
         return f"SymmetricPool({where}, nbytes={self.nbytes}, {state})"
 
 
-_POOLS: dict[str, SymmetricPool] = {}
+# pools by (group, use): the all-reduce's ("default") and the expert exchange's are apart
+_POOLS: dict[tuple[str, str], SymmetricPool] = {}
 # Bumped whenever the pool of some group changes, so that users key what they derive from a
 # pool (its addresses, their workspace layout) on it.
 _generation = 0
@@ -178,29 +180,48 @@ def pool_generation() -> int:
     return _generation
 
 
-def get_pool(group: dist.ProcessGroup | None = None) -> SymmetricPool:
-    """The pool of ``group`` (default: world), created on first use with the default size
-    (collective on first use: every rank of the group must reach it)."""
+def get_pool(
+    group: dist.ProcessGroup | None = None, *, use: str = "default", min_bytes: int = 0
+) -> SymmetricPool:
+    """The pool of ``group`` (default: world) for ``use``, created on first use (collective:
+    every rank of the group must reach it) with the default size, or ``min_bytes`` if larger.
+
+    ``use`` keeps pools of different layouts apart (``"default"``: the all-reduce's). A pool
+    smaller than ``min_bytes`` is replaced by a larger one; every rank must ask for the same
+    ``min_bytes``, so that all replace it together."""
     group = group if group is not None else dist.group.WORLD
-    key = _group_key(group)
+    key = (_group_key(group), use)
     pool = _POOLS.get(key)
     # A process group destroyed and created again may reuse the old one's name: the pool (its
     # peers, rank and size) belongs to the old group object, so it is replaced.
-    if pool is None or pool.group is not group:
+    if pool is None or pool.group is not group or (pool.available and pool.nbytes < min_bytes):
         global _generation
-        pool = SymmetricPool(group)
+        if use != "default":
+            size = min_bytes
+        else:  # the configured size (MOEKIT_SYMM_POOL_MB), or more where asked
+            size = max(min_bytes, symm_pool_bytes(DEFAULT_POOL_BYTES)) if min_bytes else None
+        _POOLS.pop(key, None)  # the old buffer goes before the new one is allocated
+        pool = SymmetricPool(group, size)
         _POOLS[key] = pool
         _generation += 1
     return pool
 
 
-def set_pool(pool: SymmetricPool) -> SymmetricPool:
-    """Make ``pool`` the one the ops use for its group (e.g. a larger or smaller size).
+def set_pool(pool: SymmetricPool, *, use: str = "default") -> SymmetricPool:
+    """Make ``pool`` the one the ops use for its group and ``use`` (e.g. a larger or smaller
+    size, or one over another kind of shared memory).
 
     Do this before capturing CUDA graphs that use the group: captured kernels keep the old pool's
     addresses.
     """
     global _generation
-    _POOLS[_group_key(pool.group)] = pool
+    _POOLS[(_group_key(pool.group), use)] = pool
     _generation += 1
     return pool
+
+
+def clear_pools() -> None:
+    """Forget every pool (their buffers are freed once nothing else holds them)."""
+    global _generation
+    _POOLS.clear()
+    _generation += 1

@@ -95,7 +95,7 @@ def _grouped_mm_ragged_m_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, C_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr, EPI_SUBTILE: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
-    A_BOUNDED: tl.constexpr = False,
+    A_BOUNDED: tl.constexpr = False, ZERO_TAIL: tl.constexpr = True,
 ):  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -167,13 +167,14 @@ def _grouped_mm_ragged_m_kernel(
         store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
                     BLOCK_M, BLOCK_N)  # fmt: skip
 
-    # Rows past offsets[-1] belong to no expert: zero them here rather than in a memset launch.
-    tail_start = tl.max(ends, axis=0)
-    tail_tiles = tl.cdiv(T - tail_start, BLOCK_M) * num_n
-    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
-    tail_first = next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
-    for tile in tl.range(tail_first, tail_tiles, NUM_PROGRAMS):
-        c_desc.store([tail_start + (tile // num_n) * BLOCK_M, (tile % num_n) * BLOCK_N], zeros)
+    if ZERO_TAIL:
+        # Rows past offsets[-1] belong to no expert: zero them here rather than in a memset.
+        tail_start = tl.max(ends, axis=0)
+        tail_tiles = tl.cdiv(T - tail_start, BLOCK_M) * num_n
+        zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=dtype)
+        tail_first = next_deal_start(pid, (total_main + total_small) * num_n, NUM_PROGRAMS)
+        for tile in tl.range(tail_first, tail_tiles, NUM_PROGRAMS):
+            c_desc.store([tail_start + (tile // num_n) * BLOCK_M, (tile % num_n) * BLOCK_N], zeros)
 
 
 @triton.jit
@@ -499,6 +500,7 @@ def grouped_mm_ragged_m(
     out: torch.Tensor,  # [T, N], TMA-ready rows
     bias: torch.Tensor | None,  # [E, N], unit stride along N
     config: GemmConfig,
+    zero_tail: bool = True,  # False: rows past offsets[-1] are left as they are
 ) -> None:
     """out[rows of e] = a[rows of e] @ b[e] (+ bias[e]); rows past offsets[-1] zeroed."""
     ensure_scratch_allocator()
@@ -516,7 +518,7 @@ def grouped_mm_ragged_m(
         BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
         NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=config.c_tma,
         WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
-        EXPERT_GROUPS=config.expert_groups, A_BOUNDED=config.a_bounded,
+        EXPERT_GROUPS=config.expert_groups, A_BOUNDED=config.a_bounded, ZERO_TAIL=zero_tail,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 

@@ -1,5 +1,6 @@
 """Thin modules that own parameters and call moekit.ops."""
 
+from moekit.nn.expert_parallel import ExpertParallelConfig
 from moekit.nn.grouped_linear import GroupedLinear
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.moe import MoELayer, SharedExpert, routed_experts
@@ -8,6 +9,7 @@ from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
 
 __all__ = [
+    "ExpertParallelConfig",
     "GroupedLinear",
     "GroupedMLP",
     "MoELayer",

@@ -1,157 +1,143 @@
-"""Expert-parallel token exchange for ``MoELayer``: tokens travel to the rank that holds their
-expert with an all-to-all over ``torch.distributed``, are regrouped by local expert, and come
-back the same way (all differentiable).
+"""Expert parallelism for ``MoELayer``: rank r of the W ranks of ``ep_group`` holds experts
+``[r·E/W, (r+1)·E/W)``; every rank routes its own tokens, each token travels once to every rank
+that holds one of its experts (``moekit.ops.expert_exchange``), the owner runs its experts over
+the slots that are its own, sums them per token and sends one row per token back, where the
+rows from its owners are summed.
 
-Dropless (``ExpertExchange``), the row counts travel on the device (an all-to-all of
-``tokens_per_expert``), but ``all_to_all_single`` needs its split sizes on the host: reading
-them is the one host sync of that path (docs/DESIGN.md). With a capacity limit
-(``CapacityExchange``) every expert's rows fill a fixed block, so all sizes are static and
-nothing is read back. Experts are split evenly: rank r holds experts
-``[r·E/W, (r+1)·E/W)``, so a dispatch's expert order is already grouped by destination rank.
+Dropless and capacity-limited calls take the same path: a capacity limit drops the slots past
+``C = ceil(cf·T·k/E)`` per expert on each source rank before anything moves, so only kept
+slots cross the wire and the owner computes no padding. With the symmetric exchange nothing is
+read back to the host and a step can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Literal
+
 import torch
 import torch.distributed as dist
 
-from moekit.ops.permute import sort_chunks_by_index
+from moekit.ops.expert_exchange import BACKENDS, ExpertExchange, symmetric_unsupported
+from moekit.ops.permute import permute, unpermute
+from moekit.ops.routing import capacity_drop, max_rows
 
-__all__ = ["CapacityExchange", "ExpertExchange", "check_same_tokens"]
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` to every rank by ``in_splits``; the rows from every rank, ``out_splits``
-    of them, in rank order (None: equal splits). Backward sends the gradients back the same
-    way."""
-
-    @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
-        rows = x.shape[0] if out_splits is None else sum(out_splits)
-        out = x.new_empty(rows, *x.shape[1:])
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty(
-            grad.shape[0] if in_splits is None else sum(in_splits), *grad.shape[1:]
-        )
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+__all__ = ["ExpertParallelConfig", "ExpertParallelRouting"]
 
 
-class ExpertExchange:
-    """One layer call's exchange: ``send`` takes a dispatch's rows (grouped by global expert)
-    to the expert owners, grouped by local expert; ``receive`` brings the expert outputs back
-    in the dispatch's row order."""
+@dataclasses.dataclass(frozen=True)
+class ExpertParallelConfig:
+    """How ``MoELayer(ep_group=...)`` exchanges its tokens.
 
-    def __init__(self, tokens_per_expert: torch.Tensor, group: dist.ProcessGroup) -> None:
+    backend: ``"symmetric"`` (Triton kernels over peer-to-peer symmetric memory: no host sync,
+        CUDA-graph capturable; GPUs of one host, at most 8 ranks), ``"all_to_all"``
+        (``torch.distributed.all_to_all_single``: NCCL or gloo, one host sync per call) or
+        ``"auto"``: symmetric where it can run, else all-to-all.
+    max_tokens: the most tokens any rank passes in one call (the same on every rank): the
+        symmetric exchange's static bound, which sizes its buffers (about
+        ``(W + 1)·max_tokens·H`` elements per rank) and the received rows. None: the largest
+        token count of the first call over the ranks (one all-reduce read back, once); a later
+        call with more tokens raises ValueError, so set it when token counts vary.
+    rows_factor: bound the expert rows an owner runs over (its activations' memory) at
+        ``rows_factor·max_tokens·k``, i.e. this many times an even share. None: the worst
+        case ``W·max_tokens·min(k, E/W)``, which can never be exceeded (dropless) but allocates
+        W times an even share. A call that routes more rows to one rank than the bound fails
+        with a device-side assert (never a silent drop).
+    """
+
+    backend: Literal["auto", "symmetric", "all_to_all"] = "auto"
+    max_tokens: int | None = None
+    rows_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
+            raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
+        if self.rows_factor is not None and not (
+            isinstance(self.rows_factor, (int, float)) and 0 < self.rows_factor < math.inf
+        ):
+            raise ValueError(f"rows_factor must be a finite float > 0, got {self.rows_factor!r}")
+
+
+class ExpertParallelRouting:
+    """The expert-parallel part of one ``MoELayer``: exchange, local experts, exchange back."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, config: ExpertParallelConfig):
         W = group.size()
-        E_local = tokens_per_expert.numel() // W
-        send = tokens_per_expert.view(W, E_local).to(torch.int64)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=group)  # rows from each rank, per local expert
-        self.group, self.W, self.E_local = group, W, E_local
-        self.recv_counts = recv  # [W, E_local]
-        # the one host sync: all_to_all_single takes host split sizes
-        self.send_splits = send.sum(1).tolist()
-        self.recv_splits = recv.sum(1).tolist()
-        chunks = torch.arange(W * E_local, device=recv.device)
-        self.to_expert_major = chunks.view(W, E_local).t().flatten()
-        self.to_rank_major = chunks.view(E_local, W).t().flatten()
+        if num_experts % W:
+            raise ValueError(
+                f"num_experts = {num_experts} must be divisible by the ep_group size {W}"
+            )
+        self.group, self.num_experts, self.config = group, num_experts, config
+        self.experts_local = num_experts // W
+        self.max_tokens = config.max_tokens
+        self.last_exchange: ExpertExchange | None = None
 
-    def send(self, rows: torch.Tensor, probs: torch.Tensor) -> tuple:
-        """(rows, probs, offsets) on the expert owner: grouped by local expert, with
-        cumulative end offsets [E_local]."""
-        n = sum(self.send_splits)
-        args = (self.recv_splits, self.send_splits, self.group)
-        rows = _AllToAll.apply(rows[:n], *args)
-        probs = _AllToAll.apply(probs[:n].unsqueeze(1), *args).squeeze(1)
-        rows, probs = sort_chunks_by_index(
-            rows, self.recv_counts.flatten(), self.to_expert_major, probs
-        )
-        offsets = self.recv_counts.sum(0).cumsum(0).to(torch.int32)
-        return rows, probs, offsets
+    def _agreed_max_tokens(self, T: int, device: torch.device) -> int:
+        """max_tokens: the config's, or the first call's largest T over the ranks (once)."""
+        if self.max_tokens is None:
+            t = torch.tensor([T], device=device, dtype=torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            self.max_tokens = int(t)  # the one host read, at set-up
+        return self.max_tokens
 
-    def receive(self, out: torch.Tensor) -> torch.Tensor:
-        """Expert outputs (grouped by local expert) back to the ranks their tokens came from,
-        in the order ``send`` took them."""
-        out, _ = sort_chunks_by_index(out, self.recv_counts.t().flatten(), self.to_rank_major)
-        return _AllToAll.apply(out, self.send_splits, self.recv_splits, self.group)
+    def _rows_bound(self, received: int, k: int, align: int, capacity: int | None) -> int:
+        """Static bound of the expert rows on this rank (see ExpertParallelConfig)."""
+        El, W = self.experts_local, self.group.size()
+        rows = max_rows(received, min(k, El), El, align)
+        if capacity is not None:  # at most C per expert from each source, plus padding
+            rows = min(rows, El * W * capacity + El * (align - 1))
+        if self.config.rows_factor is not None:
+            share = math.ceil(self.config.rows_factor * self.max_tokens * k)
+            rows = min(rows, share + El * (align - 1))
+        return rows
 
-
-class CapacityExchange:
-    """The sync-free exchange of a capacity-limited dispatch (``permute(...,
-    capacity_factor=cf)``): every expert's rows are laid into a fixed block of C rows (zero
-    padding, prob 0), so each rank sends every other rank exactly ``E_local·C`` rows and all
-    sizes are static — no host sync, and a step can be captured in a CUDA graph. Every rank
-    must pass the same number of tokens (C derives from it). The expert owner runs its experts
-    over ``W·C`` rows each (the padding rows give zero output)."""
-
-    def __init__(self, dispatch_counts: torch.Tensor, offsets: torch.Tensor, capacity: int,
-                 num_rows: int, group: dist.ProcessGroup) -> None:  # fmt: skip
-        W = group.size()
-        E = dispatch_counts.numel()
-        self.group, self.W, self.E_local, self.C = group, W, E // W, capacity
-        # the fixed slot of each packed row: expert e's j-th row goes to e·C + j; rows past
-        # the last expert's segment (the unused tail) go to a scratch slot E·C
-        rows = torch.arange(num_rows, device=offsets.device)
-        expert = torch.searchsorted(offsets.to(torch.int64), rows, right=True)
-        starts = offsets.to(torch.int64) - dispatch_counts.to(torch.int64)
-        e = expert.clamp_max(E - 1)
-        slot = e * capacity + rows - starts[e]
-        self.slot = torch.where(expert < E, slot, torch.full_like(slot, E * capacity))
-        self.local_offsets = torch.arange(
-            1, self.E_local + 1, device=offsets.device, dtype=torch.int32
-        ) * (W * capacity)
-
-    def _to_slots(self, x: torch.Tensor) -> torch.Tensor:
-        E_C = self.W * self.E_local * self.C
-        out = x.new_zeros(E_C + 1, *x.shape[1:]).index_copy(0, self.slot, x)
-        return out[:E_C]
-
-    def _swap(self, x: torch.Tensor, a: int, b: int) -> torch.Tensor:
-        """[a, b, C, ...] → [b, a, C, ...] (flattened rows)."""
-        return x.view(a, b, self.C, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
-
-    def send(self, rows: torch.Tensor, probs: torch.Tensor) -> tuple:
-        """(rows, probs, offsets) on the expert owner, grouped by local expert: expert i's
-        block holds ``W·C`` rows, C from each rank in rank order."""
-        W, El = self.W, self.E_local
-        rows = _AllToAll.apply(self._to_slots(rows), None, None, self.group)
-        probs = _AllToAll.apply(self._to_slots(probs.unsqueeze(1)), None, None, self.group)
-        rows = self._swap(rows, W, El)  # [rank][expert] → [expert][rank]
-        probs = self._swap(probs, W, El).squeeze(1)
-        return rows, probs, self.local_offsets
-
-    def receive(self, out: torch.Tensor) -> torch.Tensor:
-        """Expert outputs back to their ranks, in the packed row order of the dispatch."""
-        out = _AllToAll.apply(self._swap(out, self.E_local, self.W), None, None, self.group)
-        return out.index_select(0, self.slot.clamp_max(out.shape[0] - 1))
-
-
-def check_same_tokens(
-    num_tokens: int, device: torch.device, group: dist.ProcessGroup, *, on_host: bool = True
-) -> None:
-    """Check that every rank of ``group`` passes ``num_tokens`` (the capacity exchange's static
-    sizes need equal token counts): one all-reduce. ``on_host`` reads its result (one host
-    sync) and raises ValueError; otherwise a device-side assert fails the next
-    synchronisation instead (no host sync). Ranks must call it on the same calls, in either
-    mode, for the collectives to match."""
-    # [T, -T] built by fills on the device: a host list would be a copy that synchronises
-    # (and cannot be captured in a CUDA graph)
-    t = torch.full((2,), num_tokens, device=device, dtype=torch.int64)
-    t[1:].neg_()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    if not on_host:
-        torch._assert_async(t[0] == -t[1], "MoELayer: token counts differ across ep_group ranks")
-        return
-    lo, hi = -int(t[1]), int(t[0])
-    if lo != hi:
-        raise ValueError(
-            f"MoELayer with ep_group and capacity_factor needs the same number of tokens on "
-            f"every rank; this rank has {num_tokens}, the ranks range from {lo} to {hi}"
-        )
+    def __call__(
+        self,
+        tokens: torch.Tensor,  # [T, H]
+        indices: torch.Tensor,  # [T, k] global expert ids
+        probs: torch.Tensor,  # [T, k]
+        experts: Callable[..., torch.Tensor],  # (rows [R, H], offsets [E_local], probs [R])
+        *,
+        align: int | None = None,
+        capacity_factor: float | None = None,
+        shape: Sequence[int] | None = None,
+    ) -> torch.Tensor:  # [T, H] (or ``shape``)
+        T, k = indices.shape
+        a = align or 1
+        backend = self.config.backend
+        if backend == "auto" and symmetric_unsupported(tokens, self.group.size()):
+            backend = "all_to_all"  # decided alike on every rank: no bound to agree on
+        max_tokens = T if backend == "all_to_all" else self._agreed_max_tokens(T, tokens.device)
+        capacity = None  # the most rows any source keeps per expert, where known statically
+        if capacity_factor is not None:
+            mine = -(-math.ceil(capacity_factor * T * k / self.num_experts) // a) * a
+            indices = capacity_drop(indices, probs.detach(), self.num_experts, mine)
+            if backend != "all_to_all":  # max_tokens bounds every rank's T, hence its capacity
+                capacity = -(-math.ceil(capacity_factor * max_tokens * k / self.num_experts) // a)
+                capacity *= a
+        ex = ExpertExchange(indices, self.num_experts, self.group, max_tokens, backend)
+        self.last_exchange = ex
+        rows, row_probs, ids = ex.dispatch(tokens, probs)
+        bound = self._rows_bound(rows.shape[0], k, a, capacity)
+        d = permute(
+            rows, ids, row_probs, num_experts=self.experts_local, align=align, out_rows=bound,
+            zero_tail=False,
+        )  # fmt: skip
+        if self.config.rows_factor is not None:
+            torch._assert_async(
+                d.tokens_per_expert.sum() == (ids >= 0).sum(),
+                "MoELayer: more expert rows reached this rank than ExpertParallelConfig."
+                "rows_factor allows",
+            )
+        y = experts(d.hidden, d.offsets, d.probs.to(tokens.dtype), zero_tail=False)
+        part = unpermute(y, d, weighted=False, zero_tail=False)  # one row per received token
+        out = ex.combine(part)
+        return out if shape is None or tuple(shape) == tuple(out.shape) else out.view(shape)

@@ -19,7 +19,8 @@ class GroupedMLP(nn.Module):
 
     ``forward(x, offsets, probs=None)``: x [R, H] expert-sorted rows, offsets [E] cumulative
     end offsets on x's device, probs [R] optional routing probs scaling each row's activation
-    output → [R, H]. When a weight has an fp32 ``main_grad`` attribute, its gradient
+    output → [R, H] (``zero_tail=False``: rows past offsets[-1] left unwritten, see
+    :func:`moekit.ops.grouped_mlp`). When a weight has an fp32 ``main_grad`` attribute, its gradient
     accumulates there in place instead of producing ``.grad``. ``hidden_size`` must span a
     multiple of 16 bytes of the parameters' dtype (checked here); ``ffn_hidden_size`` may be
     any size (see :func:`moekit.ops.grouped_mlp`).
@@ -82,12 +83,18 @@ class GroupedMLP(nn.Module):
                 nn.init.uniform_(b, -bound, bound)
 
     def forward(
-        self, x: torch.Tensor, offsets: torch.Tensor, probs: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        offsets: torch.Tensor,
+        probs: torch.Tensor | None = None,
+        *,
+        zero_tail: bool = True,
     ) -> torch.Tensor:
         return grouped_mlp(
             x, offsets, self.fc1_weight, self.fc2_weight, probs,
             activation=self.activation, glu_interleave=self.glu_interleave,
             recompute_activation=self.recompute_activation, b1=self.fc1_bias, b2=self.fc2_bias,
+            zero_tail=zero_tail,
         )  # fmt: skip
 
     def extra_repr(self) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from moekit.activations import apply_activation, resolve_activation
-from moekit.nn.expert_parallel import CapacityExchange, ExpertExchange, check_same_tokens
+from moekit.nn.expert_parallel import ExpertParallelConfig, ExpertParallelRouting
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.autocast import autocast_on, autocast_tensors
@@ -77,13 +77,14 @@ class MoELayer(nn.Module):
             lowest probs (``moekit.ops.permute``); None: dropless.
         align: pad each expert's rows to a multiple of this (None: packed).
         ep_group: expert parallelism over this ``torch.distributed`` group of W ranks: rank r
-            holds experts ``[r·E/W, (r+1)·E/W)`` (E must divide by W) and its tokens travel to
-            their experts' ranks by all-to-all. Dropless, this takes one host sync per call
-            (the split sizes); with ``capacity_factor`` every size is static: no host sync,
-            CUDA-graph capturable, and every rank must pass the same number of tokens
-            (checked by a small all-reduce each call: a ValueError on a token count's first
-            call, a device-side assert on later ones). The router is replicated: keep its
-            weights equal across ranks. No ``align`` with ``ep_group`` for now.
+            holds experts ``[r·E/W, (r+1)·E/W)`` (E must divide by W); each token travels once
+            to every rank holding one of its experts and its result comes back summed. On GPUs
+            of one host the exchange reads peers' memory directly (symmetric memory): no host
+            sync, dropless or not, and CUDA-graph capturable; elsewhere it takes
+            ``all_to_all_single`` and one host sync per call (``ep_config``). Ranks may pass
+            different token counts. The router is replicated: keep its weights equal across
+            ranks.
+        ep_config: :class:`~moekit.nn.ExpertParallelConfig` (backend, static bounds).
 
     The aux and z losses enter the backward by themselves, with gradient
     :attr:`aux_loss_grad_scale` (default 1.0: set it to your loss's scale factor, e.g. 1/N for
@@ -117,6 +118,7 @@ class MoELayer(nn.Module):
         capacity_factor: float | None = None,
         align: int | None = None,
         ep_group: object | None = None,
+        ep_config: ExpertParallelConfig | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -129,15 +131,18 @@ class MoELayer(nn.Module):
             **kw,
         )  # fmt: skip
         local = num_experts
+        self.ep = None
         if ep_group is not None:
-            W = ep_group.size()
-            if num_experts % W:
-                raise ValueError(
-                    f"num_experts = {num_experts} must be divisible by the ep_group size {W}"
+            if ep_config is not None and not isinstance(ep_config, ExpertParallelConfig):
+                raise TypeError(
+                    f"ep_config must be an ExpertParallelConfig, got {type(ep_config).__name__}"
                 )
-            if align is not None:
-                raise ValueError("align is not supported with ep_group yet")
-            local = num_experts // W
+            self.ep = ExpertParallelRouting(
+                ep_group, num_experts, ep_config or ExpertParallelConfig()
+            )
+            local = num_experts // ep_group.size()
+        elif ep_config is not None:
+            raise ValueError("ep_config needs ep_group")
         self.ep_group = ep_group
         self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, **kw)
         self.shared_expert = None
@@ -148,7 +153,6 @@ class MoELayer(nn.Module):
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
-        self._checked_token_counts: set[int] = set()
 
     @property
     def aux_loss_grad_scale(self) -> float | torch.Tensor:
@@ -159,30 +163,6 @@ class MoELayer(nn.Module):
     @aux_loss_grad_scale.setter
     def aux_loss_grad_scale(self, value: float | torch.Tensor) -> None:
         self.router.aux_loss_grad_scale = value
-
-    def _expert_parallel(
-        self, tokens: torch.Tensor, r: RouterOutput, shape: torch.Size
-    ) -> torch.Tensor:
-        """The routed experts over ``ep_group``: rows travel to their experts' ranks and back."""
-        d = permute(
-            tokens, r.indices, r.probs, num_experts=self.num_experts,
-            capacity_factor=self.capacity_factor,
-        )  # fmt: skip
-        if self.capacity_factor is None:
-            ex = ExpertExchange(d.tokens_per_expert, self.ep_group)
-        else:
-            # Every call takes part in the check's collective, so that a rank whose count is
-            # new meets its peers there even when theirs are not: a count's first call reads
-            # the result (a clear error), later ones assert on the device (no host sync).
-            T = tokens.shape[0]
-            first = T not in self._checked_token_counts
-            check_same_tokens(T, tokens.device, self.ep_group, on_host=first)
-            self._checked_token_counts.add(T)
-            capacity = d.num_rows // self.num_experts
-            ex = CapacityExchange(d.counts, d.offsets, capacity, d.num_rows, self.ep_group)
-        local_rows, local_probs, offsets = ex.send(d.hidden, d.probs)
-        rows = ex.receive(self.experts(local_rows, offsets, local_probs.to(tokens.dtype)))
-        return unpermute(rows, d, weighted=False, shape=shape)  # probs applied in the experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         H = self.router.weight.shape[1]
@@ -210,7 +190,10 @@ class MoELayer(nn.Module):
                 capacity_factor=self.capacity_factor, shape=x.shape,
             )  # fmt: skip
         else:
-            y = self._expert_parallel(tokens, r, x.shape)
+            y = self.ep(
+                tokens, r.indices, r.probs, self.experts, align=self.align,
+                capacity_factor=self.capacity_factor, shape=x.shape,
+            )  # fmt: skip
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens).view(x.shape)
         # y is a tensor of its own in x's shape, not a view: in-place ops on it and FSDP2's

@@ -65,15 +65,15 @@ def weight_layout(b: torch.Tensor) -> torch.Tensor:
     return aligned_copy(b)
 
 
-def launch_ragged_m(a, b, offsets, bias, out) -> None:
+def launch_ragged_m(a, b, offsets, bias, out, zero_tail: bool = True) -> None:
     """Choose the config (tuning on a first call) and launch the ragged-M kernel; operands
     already TMA-ready (``a``, ``out`` rows; ``b`` via :func:`weight_layout`), offsets
-    contiguous."""
+    contiguous. ``zero_tail`` False leaves the rows past offsets[-1] unwritten."""
     T, K = a.shape
     E, _, N = b.shape
 
     def launch(cfg: tuning.GemmConfig, offsets: torch.Tensor = offsets) -> None:
-        kernels.grouped_mm_ragged_m(a, b, offsets, out, bias, cfg)
+        kernels.grouped_mm_ragged_m(a, b, offsets, out, bias, cfg, zero_tail)
 
     key = (N, K, E, b.stride(1) == 1 and b.stride(2) != 1, bias is not None)
     cands = tuning.ragged_m_candidates(a.dtype, T, E, K, N, num_sms(a))

@@ -118,10 +118,10 @@ def _dact(dy, w2, offsets, h, probs, dh, a_re, part, dp, act, interleave) -> Non
         kernels.segment_colsum(used, None, dp.view(1, -1))
 
 
-def _fc1_grads(dh, w1, x, offsets, dx, target1, accumulate1: bool, db1) -> None:
+def _fc1_grads(dh, w1, x, offsets, dx, target1, accumulate1: bool, db1, zero_tail) -> None:
     """fc1 dgrad, fc1 wgrad (into ``target1``: dw1 or w1.main_grad), fc1's bias gradient."""
     if dx is not None:
-        launch_ragged_m(dh, w1, offsets, None, dx)
+        launch_ragged_m(dh, w1, offsets, None, dx, zero_tail)
     if target1 is not None:
         launch_ragged_k(dh.t(), x, offsets, target1, accumulate1)
     if db1 is not None:
@@ -154,7 +154,7 @@ def _release(t: torch.Tensor | None) -> None:
 
 
 def _forward_fake(
-    x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h, uid
+    x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h, zero_tail, uid
 ):
     R = x.shape[0]
     h = x.new_empty(R if store_h else 0, w1.shape[1])
@@ -182,18 +182,20 @@ def _forward_impl(
     act_name: str, limit: float, alpha: float, offset: float,  # the Activation
     interleave: int,  # 0: [gate | up] halves
     store_h: bool,
+    zero_tail: bool,  # False: y's rows past offsets[-1] are left unwritten
     plan_uid: int,  # a validated plan whose layouts the kernels read as given (0: none)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Fused forward: (y [R, H], h [R, W1] ([0, W1] unless ``store_h``), a [R, F] = act(h) *
     probs)."""
     act, inter = _activation(act_name, limit, alpha, offset), _interleave(interleave)
     if plan_uid and _aligned(x, w1, w2, b1, b2):
-        key = ("mlp_fwd", plan_uid)  # the plan fixes every layout (and the activation)
+        key = ("mlp_fwd", plan_uid, zero_tail)  # the plan fixes every layout and activation
     else:
         x, offsets, w1, w2, probs, b1, b2 = _tma_layouts(x, offsets, w1, w2, probs, b1, b2)
         key = None
         if x.is_cuda:
-            key = ("mlp_fwd", act, inter, *map(tensor_key, (x, offsets, w1, w2, probs, b1, b2)))
+            key = ("mlp_fwd", act, inter, zero_tail,
+                   *map(tensor_key, (x, offsets, w1, w2, probs, b1, b2)))  # fmt: skip
     R, H = x.shape
     dev, dt = x.device, x.dtype
     a = torch.empty(R, w2.shape[2], device=dev, dtype=dt)
@@ -204,7 +206,7 @@ def _forward_impl(
 
         def body() -> None:
             _fc1(x, w1, offsets, a, h_or_none, probs, b1, act, inter)
-            launch_ragged_m(a, w2.transpose(1, 2), offsets, b2, y)
+            launch_ragged_m(a, w2.transpose(1, 2), offsets, b2, y, zero_tail)
 
         replayed(key, (x, offsets, w1, w2, probs, b1, b2, a, h_or_none, y), body)
     return y, h, a
@@ -263,6 +265,7 @@ def _backward_impl(
     release: bool,  # free h and the activation as soon as they are consumed
     dy_owned: bool,  # nothing else holds dy: dx may take its memory once it is dead
     plan_uid: int,  # as in _forward_impl
+    zero_tail: bool,  # False: dx's rows past offsets[-1] are left unwritten
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused backward of ``_forward``: (dx, dw1, dw2, dprobs, db1, db2), each None where it is
     not an output (not wanted, or a weight gradient that went to main_grad)."""
@@ -282,7 +285,7 @@ def _backward_impl(
     dy_owned = (dy_owned or dy is not given) and dy.is_contiguous()
     return _run_backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
-        (b1_dtype, b2_dtype, w_dtype), release, release and dy_owned, uid,
+        (b1_dtype, b2_dtype, w_dtype), release, release and dy_owned, uid, zero_tail,
     )  # fmt: skip
 
 
@@ -309,9 +312,10 @@ class _Backward:
     peak then holds one [R, H] gradient instead of two."""
 
     def __init__(
-        self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid, reuse_dy
+        self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid, reuse_dy,
+        zero_tail,
     ):  # fmt: skip
-        self.reuse_dy = reuse_dy
+        self.reuse_dy, self.zero_tail = reuse_dy, zero_tail
         self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
         self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
         self.needs, self.grad_dtypes = needs, bdt  # b1's, b2's, the weights' gradients
@@ -332,10 +336,11 @@ class _Backward:
         # _replay spells out every tensor.
         self.uid = uid
         if uid:
-            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt)
+            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt, zero_tail)
         else:
             self.base = (
-                "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt
+                "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt,
+                zero_tail,
             )  # fmt: skip
 
     def held_bytes(self) -> int:
@@ -400,7 +405,7 @@ class _Backward:
     def fc1(self) -> None:
         _fc1_grads(
             self.dh, self.w1, self.x, self.offsets, self.dx, self.t1, self.mg1 is not None,
-            self.db1,
+            self.db1, self.zero_tail,
         )  # fmt: skip
 
     def _replay(self, segment: str, roles: tuple, body) -> None:
@@ -441,11 +446,11 @@ class _Backward:
 
 def _run_backward(
     dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, release,
-    reuse_dy, uid,
+    reuse_dy, uid, zero_tail,
 ):  # fmt: skip
     bwd = _Backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, uid,
-        reuse_dy,
+        reuse_dy, zero_tail,
     )  # fmt: skip
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES or bwd.first_of_its_configuration():
         bwd.one_segment()
@@ -472,7 +477,8 @@ def _needs(needs_input_grad: tuple) -> list[bool]:
 
 
 def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, interleave,
-                            recompute, needs_input_grad, grad_dtypes, uid) -> None:  # fmt: skip
+                            recompute, needs_input_grad, grad_dtypes, uid,
+                            zero_tail) -> None:  # fmt: skip
     """On a configuration's first forward, start compiling its backward's kernels, so that
     they compile while the forward and the ops after it run (a new shape's first step otherwise
     compiles them only when the backward arrives, after everything else). The backward's
@@ -490,7 +496,7 @@ def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, i
     h, a = x.new_empty(R, W1), None if recompute else x.new_empty(R, F_)
     bwd = _Backward(
         x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, _activation(*act_args),
-        inter, _needs(needs_input_grad), grad_dtypes, uid, False,
+        inter, _needs(needs_input_grad), grad_dtypes, uid, False, zero_tail,
     )  # fmt: skip
     bwd.alloc_w2()
     bwd.alloc_fc1(reuse_dy=False)
@@ -506,6 +512,7 @@ class _GroupedMLPFn(torch.autograd.Function):
     def forward(
         ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid,
         eager,  # the call checked eager_shortcut for all its tensors
+        zero_tail,
         w1m, w2m,
     ):  # fmt: skip
         w_dtype = w1.dtype if w1m is None else w1m.dtype
@@ -513,10 +520,11 @@ class _GroupedMLPFn(torch.autograd.Function):
         if eager and uid and x.is_cuda and x.shape[0] > 0:
             _compile_backward_ahead(
                 x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute,
-                ctx.needs_input_grad, grad_dtypes, uid,
+                ctx.needs_input_grad, grad_dtypes, uid, zero_tail,
             )  # fmt: skip
         run = _forward.impl if eager else _forward
-        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, uid)
+        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, zero_tail, uid)
+        ctx.zero_tail = zero_tail
         ctx.act = (*act, inter)
         ctx.plan_uid = uid
         ctx.eager = eager
@@ -542,7 +550,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         owned = direct and owned_gradient(grad)
         dx, dw1, dw2, dp, db1, db2 = run(
             grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.grad_dtypes, direct, owned, ctx.plan_uid,
+            *ctx.grad_dtypes, direct, owned, ctx.plan_uid, ctx.zero_tail,
         )  # fmt: skip
         if run is _backward:  # the custom op returns an empty tensor for each None
             wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
@@ -554,7 +562,7 @@ class _GroupedMLPFn(torch.autograd.Function):
             dw1 = dw2 = None
         return (
             dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None,
-            *masters,
+            None, *masters,
         )  # fmt: skip
 
 
@@ -786,6 +794,7 @@ def grouped_mlp(
     recompute_activation: bool = False,
     b1: torch.Tensor | None = None,
     b2: torch.Tensor | None = None,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     """Expert MLP over expert-sorted rows: ``y = fc2(act(fc1(x)) * probs)`` per expert.
 
@@ -808,6 +817,9 @@ def grouped_mlp(
         recompute_activation: save only x and the pre-activation for backward and recompute
             the activation output there (less memory, a little more epilogue work).
         b1: optional [E, 2F] / [E, F] fc1 bias; b2: optional [E, H] fc2 bias.
+        zero_tail: False leaves y's rows past offsets[-1] (and, in backward, dx's) unwritten
+            instead of zeroing them: for callers whose row bound is far above the rows they use
+            and that never read the tail (expert parallelism's receive bound).
 
     Returns:
         [R, H] in x's dtype. ``w1.main_grad`` / ``w2.main_grad`` (fp32), when present, receive
@@ -826,11 +838,11 @@ def grouped_mlp(
         with torch.autocast(x.device.type, enabled=False):  # the op's own torch calls as-is
             return _grouped_mlp(
                 x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation,
-                b1, b2, masters,
+                b1, b2, masters, bool(zero_tail),
             )  # fmt: skip
     return _grouped_mlp(
         x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation, b1, b2,
-        masters,
+        masters, bool(zero_tail),
     )  # fmt: skip
 
 
@@ -860,7 +872,18 @@ def _autocast_inputs(x, w1, w2, b1, b2) -> tuple:
 
 
 def _grouped_mlp(
-    x, offsets, w1, w2, probs, activation, glu_interleave, recompute_activation, b1, b2, masters
+    x,
+    offsets,
+    w1,
+    w2,
+    probs,
+    activation,
+    glu_interleave,
+    recompute_activation,
+    b1,
+    b2,
+    masters,
+    zero_tail,
 ) -> torch.Tensor:
     mg1 = getattr(w1, "main_grad", None)
     mg2 = getattr(w2, "main_grad", None)
@@ -877,12 +900,13 @@ def _grouped_mlp(
             run = _forward.impl if eager else _forward
             return run(
                 x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
-                plan.interleave or 0, False, plan.uid,
+                plan.interleave or 0, False, zero_tail, plan.uid,
             )[0]  # fmt: skip
         apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
         return apply(
             x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
-            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager, *masters,
+            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager, zero_tail,
+            *masters,
         )  # fmt: skip
     if reason and reason not in _warned:
         _warned.add(reason)
@@ -960,7 +984,7 @@ def grouped_mlp_forward(
     a = plan.act
     return _forward(
         x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
-        plan.interleave or 0, bool(store_h), plan.uid,
+        plan.interleave or 0, bool(store_h), True, plan.uid,
     )  # fmt: skip
 
 
@@ -1008,7 +1032,7 @@ def grouped_mlp_backward(
         needs[3] = False
     out = _backward(
         dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act.name, act.limit, act.alpha,
-        act.offset, plan.interleave or 0, needs, *grad_dtypes, False, False, plan.uid,
+        act.offset, plan.interleave or 0, needs, *grad_dtypes, False, False, plan.uid, True,
     )  # fmt: skip
     wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
     # the custom op (not plain eager) returns an empty tensor for each gradient not computed

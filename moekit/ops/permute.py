@@ -428,6 +428,7 @@ def permute(
     out_rows: int | Literal["exact"] | None = None,  # R override
     capacity_factor: float | None = None,  # keep ceil(cf·T·k/E) rows per expert
     validate: bool = False,
+    zero_tail: bool = True,
 ) -> Dispatch:
     """Copy each token's hidden vector to one row per chosen expert, grouped by expert.
 
@@ -452,6 +453,9 @@ def permute(
             ``align``), dropping the lowest probs first; R = E·C.
         validate: check index ranges on the device (``torch._assert_async``: no host sync; the
             error surfaces at the next synchronisation).
+        zero_tail: False leaves the rows past ``offsets[-1]`` unwritten (padding rows inside
+            segments are still zeroed), for a caller whose R is a loose bound and whose
+            consumers read only the rows ``offsets`` covers (expert parallelism's receive side).
 
     Dropped slots get ``row_index = −1``, no row, and zeros back from ``unpermute``.
 
@@ -493,7 +497,7 @@ def permute(
     apply = _apply_permute if needs_grad(hidden, probs) else _permute_rows
     out, out_probs = apply(
         hidden, probs, row_index, offsets, tokens_per_expert, num_rows, a,
-        _tail_lo(not may_drop, T * k, num_rows),
+        _tail_lo(not may_drop, T * k, num_rows) if zero_tail else num_rows,
     )  # fmt: skip
     return Dispatch(
         hidden=out, probs=out_probs if probs is not None else None, counts=counts,
@@ -509,6 +513,7 @@ def unpermute(
     *,
     weighted: bool = True,
     shape: Sequence[int] | None = None,
+    zero_tail: bool = True,
 ) -> torch.Tensor:
     """Sum each token's k rows back in token order: ``out[t] = Σ_s p[t, s]·expert_out[r(t, s)]``.
 
@@ -520,6 +525,9 @@ def unpermute(
     leading dimensions (e.g. the ``[B, S, H]`` the tokens came from). The result is a tensor
     of its own, not a view of a ``[T, H']`` one, so in-place ops on it (a residual ``y += x``)
     and FSDP2's output hooks work as on any layer's output.
+
+    ``zero_tail``: False leaves the gradient's rows past ``offsets[-1]`` unwritten in backward
+    (see :func:`permute`).
     """
     expert_out = _check_hidden("expert_out", expert_out)
     if not isinstance(dispatch, Dispatch):
@@ -541,8 +549,10 @@ def unpermute(
     return _apply_unpermute(
         expert_out, dispatch.probs if weighted else None, dispatch.row_index, dispatch.offsets,
         dispatch.tokens_per_expert, dispatch.align or 1,
-        # Gradient rows that no slot maps to (padding, tail) must come back zero.
-        _tail_lo(dispatch.dropless, slots, dispatch.num_rows), lead,
+        # Gradient rows that no slot maps to (padding, tail) must come back zero, unless the
+        # caller never reads the tail.
+        _tail_lo(dispatch.dropless, slots, dispatch.num_rows) if zero_tail else dispatch.num_rows,
+        lead,
     )  # fmt: skip
 
 

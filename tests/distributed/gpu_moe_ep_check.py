@@ -4,13 +4,18 @@
         torchrun --nproc_per_node=2 tests/distributed/gpu_moe_ep_check.py
 
 Checks (every rank; a failure raises):
-1. the EP layer (dropless, and with a capacity limit) equals the single-GPU layer holding every
-   expert: outputs, input gradients, expert and (summed) router weight gradients, bf16;
-2. 1000 steps with uneven routing — token counts differing per rank, and every few steps a
-   routing that sends all tokens to rank 0's experts (the other ranks receive none) — keep
-   every rank in step (a step counter all-reduced at the end, no hang);
-3. the capacity mode runs without a host sync (``set_sync_debug_mode("error")``) and a step
-   captured in a CUDA graph replays with new data like an eager step.
+0. the symmetric exchange equals ``all_to_all_single`` on the same routing: received rows, ids
+   and probs exactly, the combine's sums and both passes' gradients within bf16 rounding;
+   several rounds, with ranks that send or receive nothing;
+1. the EP layer equals the single-GPU layer holding every expert: outputs, input gradients,
+   expert and (summed) router weight gradients, bf16; dropless and with a capacity limit, each
+   with the symmetric exchange (what ``auto`` picks here) and with ``all_to_all_single``;
+2. 1000 steps with uneven routing on the symmetric exchange — token counts differing per rank,
+   and every few steps a routing that sends all tokens to rank 0's experts (the other ranks
+   receive none) — keep every rank in step (a step counter all-reduced at the end, no hang)
+   and match the all-to-all exchange on the same inputs every 100 steps;
+3. dropless and capacity steps run without a host sync (``set_sync_debug_mode("error")``) and
+   a step captured in a CUDA graph replays with new data like an eager step.
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from moekit.nn import MoELayer
+from moekit.nn import ExpertParallelConfig, MoELayer
+from moekit.ops.expert_exchange import ExpertExchange
 from tests._cuda_step import sync_free_capture
 
 H, F, E, K = 1024, 512, 16, 4
+SIZES = (1, 37, 129, 256, 300, 511, 640, 700)  # token counts of the uneven steps
 DT = torch.bfloat16
 
 
@@ -41,11 +48,11 @@ def log(rank: int, text: str) -> None:
         print(text, flush=True)
 
 
-def layers(rank: int, W: int, group, capacity_factor=None):
+def layers(rank: int, W: int, group, capacity_factor=None, config=None):
     torch.manual_seed(0)
     kw = dict(shared_expert_ffn_size=256, capacity_factor=capacity_factor, device="cuda", dtype=DT)
     full = MoELayer(H, F, E, K, **kw)
-    ep = MoELayer(H, F, E, K, ep_group=group, **kw)
+    ep = MoELayer(H, F, E, K, ep_group=group, ep_config=config, **kw)
     El = E // W
     state = full.state_dict()
     for name in ("experts.fc1_weight", "experts.fc2_weight"):
@@ -54,15 +61,18 @@ def layers(rank: int, W: int, group, capacity_factor=None):
     return full, ep
 
 
-def check_equals_single_gpu(rank: int, W: int, group, capacity_factor) -> None:
-    full, ep = layers(rank, W, group, capacity_factor)
+def check_equals_single_gpu(rank: int, W: int, group, capacity_factor, backend) -> None:
+    config = ExpertParallelConfig(backend=backend)
+    full, ep = layers(rank, W, group, capacity_factor, config)
     gen = torch.Generator(device="cuda").manual_seed(7)
-    sizes = [512 if capacity_factor else 300 + 97 * r for r in range(W)]
+    sizes = [300 + 97 * r for r in range(W)]
     xs = [torch.randn(n, H, device="cuda", generator=gen).to(DT) for n in sizes]
     gs = [torch.randn(n, H, device="cuda", generator=gen).to(DT) for n in sizes]
     x = xs[rank].clone().requires_grad_()
     y = ep(x)
     y.backward(gs[rank])
+    used = ep.ep.last_exchange.backend
+    assert used == ("symmetric" if backend == "auto" else backend), used
     xa = torch.cat(xs).requires_grad_()
     if capacity_factor is None:
         ya = full(xa)
@@ -70,8 +80,10 @@ def check_equals_single_gpu(rank: int, W: int, group, capacity_factor) -> None:
         ya = torch.cat([full(p) for p in xa.split(sizes)])
     ya.backward(torch.cat(gs))
     lo = sum(sizes[:rank])
-    assert rel(y, ya[lo : lo + sizes[rank]]) < 1e-2, "output"
-    assert rel(x.grad, xa.grad[lo : lo + sizes[rank]]) < 1e-2, "input gradient"
+    err = rel(y, ya[lo : lo + sizes[rank]])
+    assert err < 1e-2, f"{backend} cf={capacity_factor}: output rel {err:.3g}"
+    err = rel(x.grad, xa.grad[lo : lo + sizes[rank]])
+    assert err < 1e-2, f"{backend} cf={capacity_factor}: input gradient rel {err:.3g}"
     El = E // W
     for name in ("fc1_weight", "fc2_weight"):
         want = getattr(full.experts, name).grad[rank * El : (rank + 1) * El]
@@ -81,14 +93,47 @@ def check_equals_single_gpu(rank: int, W: int, group, capacity_factor) -> None:
     assert rel(g, full.router.weight.grad) < 3e-2, "router gradient"
 
 
+def check_exchange_backends(rank: int, W: int, group, rounds: int = 6) -> None:
+    El = E // W
+    for i in range(rounds):
+        gen = torch.Generator(device="cuda").manual_seed(50 + i)
+        T = [0, 1, 257, 700][(i + rank) % 4]
+        ids = torch.randint(0, E, (T, K), device="cuda", generator=gen)
+        if i % 3 == 1:
+            ids = ids % El  # every token to rank 0's experts
+        if i % 3 == 2:
+            ids[torch.rand(T, K, device="cuda", generator=gen) < 0.3] = -1  # dropped slots
+        x = torch.randn(T, H, device="cuda", generator=gen).to(DT)
+        p = torch.rand(T, K, device="cuda", generator=gen)
+        g = torch.randn(T, H, device="cuda", generator=gen).to(DT)
+        got = {}
+        for backend in ("symmetric", "all_to_all"):
+            xb, pb = x.clone().requires_grad_(), p.clone().requires_grad_()
+            ex = ExpertExchange(ids, E, group, 700, backend)
+            rows, probs, rid = ex.dispatch(xb, pb)
+            out = ex.combine(rows.float().mul(1.5).to(DT))  # a row per received token
+            gx, gpx = torch.autograd.grad([out, probs], [xb, pb], [g, torch.ones_like(probs)])
+            got[backend] = (rows, probs, rid, out, gx, gpx)
+        n = got["all_to_all"][0].shape[0]
+        s, a = got["symmetric"], got["all_to_all"]
+        for name, i_ in (("rows", 0), ("probs", 1), ("ids", 2)):
+            assert torch.equal(s[i_][:n], a[i_]), f"round {i}: dispatch {name} differ"
+        assert (s[2][n:] == -1).all(), f"round {i}: the bound's tail routes somewhere"
+        for name, i_ in (("combine", 3), ("x gradient", 4), ("probs gradient", 5)):
+            err = rel(s[i_], a[i_]) if a[i_].numel() else 0.0
+            assert err < 1e-2, f"round {i}: {name} differs, rel {err:.3g}"
+    log(rank, f"ok  symmetric exchange equals all_to_all_single ({rounds} rounds, {W} ranks)")
+
+
 def check_many_uneven_steps(rank: int, W: int, group, steps: int) -> None:
-    _, ep = layers(rank, W, group)
+    _, ep = layers(rank, W, group, config=ExpertParallelConfig("symmetric", max_tokens=700))
+    _, a2a = layers(rank, W, group, config=ExpertParallelConfig("all_to_all"))
     bias = torch.zeros(E, H, device="cuda", dtype=DT)
     bias[: E // W] = 0.2  # with inputs of positive mean: everything to rank 0's experts
     gen = torch.Generator(device="cuda").manual_seed(100 + rank)
     t0 = time.perf_counter()
     for s in range(steps):
-        n = 1 + (s * 37 + rank * 101) % 700
+        n = SIZES[(s + rank) % len(SIZES)]  # every rank a different count each step
         x = torch.randn(n, H, device="cuda", generator=gen).to(DT)
         skewed = s % 5 == 0
         if skewed:
@@ -97,6 +142,14 @@ def check_many_uneven_steps(rank: int, W: int, group, steps: int) -> None:
         x.requires_grad_()
         y = ep(x)
         y.backward(torch.ones_like(y))
+        if s % 250 == 0:
+            log(rank, f"    step {s} ({time.perf_counter() - t0:.0f} s)")
+        if s % 100 == 0:  # the same step over all_to_all_single
+            a2a.router.weight.data.copy_(ep.router.weight.data)
+            xb = x.detach().clone().requires_grad_()
+            yb = a2a(xb)
+            yb.backward(torch.ones_like(yb))
+            assert rel(y, yb) < 1e-2 and rel(x.grad, xb.grad) < 1e-2, f"step {s}: backends differ"
         if skewed:
             ep.router.weight.data -= bias
             counts = ep.last_counts.clone()
@@ -109,8 +162,8 @@ def check_many_uneven_steps(rank: int, W: int, group, steps: int) -> None:
     log(rank, f"ok  {steps} uneven steps in step on {W} ranks ({time.perf_counter() - t0:.1f} s)")
 
 
-def check_capacity_graph(rank: int, W: int, group) -> None:
-    _, ep = layers(rank, W, group, capacity_factor=1.25)
+def check_sync_free_graph(rank: int, W: int, group, capacity_factor) -> None:
+    _, ep = layers(rank, W, group, capacity_factor=capacity_factor)
     params = list(ep.parameters())
     x = torch.randn(256, H, device="cuda", dtype=DT, requires_grad=True)
     g = torch.randn_like(x)
@@ -127,7 +180,8 @@ def check_capacity_graph(rank: int, W: int, group) -> None:
         eager = step()
         for got, want in zip(static, eager):
             assert rel(got, want) < 1e-2
-    log(rank, "ok  capacity mode: no host sync; CUDA-graph step replays like eager")
+    mode = "dropless" if capacity_factor is None else "capacity"
+    log(rank, f"ok  {mode}: no host sync; CUDA-graph step replays like eager")
 
 
 def main() -> None:
@@ -142,11 +196,15 @@ def main() -> None:
     group = dist.group.WORLD
     steps = int(os.environ.get("MOEKIT_EP_CHECK_STEPS", "1000"))
     try:
-        for cf in (None, 1.0):
-            check_equals_single_gpu(rank, W, group, cf)
-        log(rank, f"ok  EP layer equals the single-GPU layer (dropless, capacity) on {W} ranks")
+        check_exchange_backends(rank, W, group)
+        for backend in ("auto", "all_to_all"):
+            for cf in (None, 1.0):
+                check_equals_single_gpu(rank, W, group, cf, backend)
+        log(rank, f"ok  EP layer equals the single-GPU layer (dropless, capacity; symmetric, "
+                  f"all_to_all) on {W} ranks")  # fmt: skip
         check_many_uneven_steps(rank, W, group, steps)
-        check_capacity_graph(rank, W, group)
+        for cf in (None, 1.25):
+            check_sync_free_graph(rank, W, group, cf)
         dist.barrier()
         log(rank, f"ALL EP CHECKS PASSED on {W} ranks")
     finally:

@@ -1,41 +1,58 @@
-"""MoELayer with expert parallelism (gloo, CPU, 2 and 4 processes) equals the single-process
-layer holding every expert: outputs, input gradients, expert and router weight gradients;
-dropless (host split sizes) and with a capacity limit (static sizes, drops per rank)."""
+"""MoELayer with expert parallelism equals the single-process layer holding every expert:
+outputs, input gradients, expert and router weight gradients; dropless and with a capacity limit
+(drops per rank), with and without per-expert alignment; ranks pass different token counts.
+
+On CPU with gloo, 2 and 4 processes: the all-to-all exchange; under ``TRITON_INTERPRET=1`` also
+the symmetric exchange, its kernels in the interpreter over file-backed shared buffers
+(``tests/_shared_pool.py``), for several calls in a row."""
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from moekit.nn import MoELayer
+from moekit.distributed import set_pool
+from moekit.kernels.exchange import exchange_layout
+from moekit.nn import ExpertParallelConfig, MoELayer
+from moekit.ops.expert_exchange import POOL_USE
 from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
+from tests._shared_pool import SharedFilePool, make_files
 
 H, F, E, K, T = 16, 8, 8, 2, 11
 
 
-def _worker(rank: int, world: int, port: int, capacity_factor) -> None:
+MAX_T = T + 9 * 3  # the most tokens a rank passes (the symmetric exchange's bound)
+
+
+def _worker(rank: int, world: int, port: int, capacity_factor, align, paths=None) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     try:
         torch.manual_seed(0)
-        kw = dict(shared_expert_ffn_size=8, capacity_factor=capacity_factor)
+        kw = dict(shared_expert_ffn_size=8, capacity_factor=capacity_factor, align=align)
         full = MoELayer(H, F, E, K, **kw)
-        ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, **kw)
+        cfg = ExpertParallelConfig()
+        if paths is not None:
+            nbytes = exchange_layout(world, MAX_T, H, 4, K).nbytes
+            set_pool(SharedFilePool(dist.group.WORLD, paths, nbytes), use=POOL_USE)
+            cfg = ExpertParallelConfig(backend="symmetric", max_tokens=MAX_T)
+        ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, ep_config=cfg, **kw)
         El = E // world
         state = full.state_dict()
         for name in ("experts.fc1_weight", "experts.fc2_weight"):
             state[name] = state[name][rank * El : (rank + 1) * El].clone()
         ep.load_state_dict(state)
-        # every rank's tokens (and output gradients) differ; one rank may route nothing to
-        # some rank's experts
-        # (with a capacity limit every rank passes the same number of tokens)
+        # every rank's tokens (and output gradients) and token counts differ; one rank may
+        # route nothing to some rank's experts
         gen = torch.Generator().manual_seed(100)
-        sizes = [T + (0 if capacity_factor else r) for r in range(world)]
+        sizes = [T + 9 * r for r in range(world)]
         xs = [torch.randn(n, H, generator=gen) for n in sizes]
         gs = [torch.randn(n, H, generator=gen) for n in sizes]
         x = xs[rank].clone().requires_grad_()
@@ -57,27 +74,47 @@ def _worker(rank: int, world: int, port: int, capacity_factor) -> None:
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad)  # replicated router: its gradient sums over ranks
         torch.testing.assert_close(router_grad, full.router.weight.grad, rtol=1e-4, atol=1e-5)
-        if capacity_factor is not None:  # unequal token counts: every rank gets a clear error
-            with pytest.raises(ValueError, match="same number of tokens on every rank"):
-                ep(torch.randn(T + 1 + rank, H))
-            # A count already checked on rank 0 meets new counts elsewhere: every rank takes
-            # part in the same check (no hang); rank 0's is the device-side assert.
-            n, err = (T, RuntimeError) if rank == 0 else (T + 5, ValueError)
-            with pytest.raises(err, match=r"token counts differ|same number of tokens"):
-                ep(torch.randn(n, H))
+        if paths is not None:
+            assert ep.ep.last_exchange.backend == "symmetric"
+            # more calls in a row, other token counts: the barriers' epochs stay in step
+            for n in (1, MAX_T, 3 + rank):
+                xr = torch.randn(n, H, requires_grad=True)
+                ep(xr).sum().backward()
+                assert torch.isfinite(xr.grad).all()
         finish_worker()
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "capacity"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_expert_parallel_equals_single_process(world, capacity_factor):
+@pytest.mark.parametrize(
+    "world, capacity_factor, align",
+    [(2, None, None), (2, 0.75, None), (2, None, 8), (4, None, None), (4, 0.75, None)],
+    ids=["2-dropless", "2-capacity", "2-aligned", "4-dropless", "4-capacity"],
+)  # fmt: skip
+def test_expert_parallel_equals_single_process(world, capacity_factor, align):
+    mp.spawn(_worker, args=(world, _port(), capacity_factor, align), nprocs=world, join=True)
+
+
+def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(world, port, capacity_factor), nprocs=world, join=True)
+        return s.getsockname()[1]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "capacity_factor, align", [(None, None), (0.75, 8)], ids=["dropless", "capacity-aligned"]
+)
+def test_symmetric_exchange_layer_in_interpreter(capacity_factor, align, interpret):
+    if not interpret:
+        pytest.skip("runs the exchange kernels in Triton's interpreter (TRITON_INTERPRET=1)")
+    world = 2
+    with tempfile.TemporaryDirectory() as d:
+        paths = make_files(d, world, exchange_layout(world, MAX_T, H, 4, K).nbytes)
+        args = (world, _port(), capacity_factor, align, paths)
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
+    assert not os.path.exists(d)
 
 
 def test_expert_parallel_configuration_errors():
@@ -87,8 +124,16 @@ def test_expert_parallel_configuration_errors():
 
     with pytest.raises(ValueError, match="divisible by the ep_group size 3"):
         MoELayer(H, F, E, K, ep_group=FakeGroup())
-    with pytest.raises(ValueError, match="align is not supported with ep_group"):
-        MoELayer(H, F, E, K, ep_group=type("G", (), {"size": lambda self: 2})(), align=8)
+    with pytest.raises(ValueError, match="ep_config needs ep_group"):
+        MoELayer(H, F, E, K, ep_config=ExpertParallelConfig())
+    with pytest.raises(TypeError, match="ep_config must be an ExpertParallelConfig"):
+        MoELayer(H, F, E, K, ep_group=type("G", (), {"size": lambda self: 2})(), ep_config={})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ExpertParallelConfig(backend="nvshmem")
+    with pytest.raises(ValueError, match="max_tokens must be a positive int"):
+        ExpertParallelConfig(max_tokens=0)
+    with pytest.raises(ValueError, match="rows_factor must be a finite float"):
+        ExpertParallelConfig(rows_factor=-1.0)
 
 
 @pytest.mark.gpu
