@@ -11,9 +11,10 @@ so nothing is downloaded. Each block is RMSNorm → causal self-attention
 (``scaled_dot_product_attention``) → RMSNorm → ``moekit.nn.MoELayer``, with residuals; the
 output head is tied to the token embedding. On a terminal a progress bar shows the loss and
 tokens/s (plain log lines otherwise); at the end the script prints the validation loss and
-writes ``losses.json``, ``loss_curve.png`` and ``checkpoint/`` under ``--out`` (default
-``runs/<config>-<baseline>[-ep<N>]``; an existing run there is never overwritten unless
-``--overwrite``). CPU tensors run moekit's PyTorch reference path; on a GPU the Triton kernels
+writes ``losses.json``, ``loss_curve.png`` and ``checkpoint/`` under ``--out`` (default: the
+first of ``runs/<config>-<baseline>[-ep<N>]``, ``...-2``, ``...-3`` that holds no run; with
+``--resume`` the last that does). A folder with a run in it is never overwritten unless
+``--overwrite``. CPU tensors run moekit's PyTorch reference path; on a GPU the Triton kernels
 run (bf16). The learning rate warms up linearly, then follows a cosine (torch's ``LinearLR``
 then ``CosineAnnealingLR``).
 
@@ -218,7 +219,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--baseline", choices=("moekit", "torch"), default="moekit")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: the config's)")
-    p.add_argument("--out", default=None, help="run folder (default runs/<config>-<baseline>)")
+    p.add_argument("--out", default=None, help="run folder (default: a new one under runs/)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier run in <out>")
     p.add_argument("--seed", type=int, default=0)
@@ -243,15 +244,35 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _holds_run(folder: str) -> bool:
+    return any(os.path.exists(os.path.join(folder, f)) for f in ("losses.json", "checkpoint"))
+
+
+def _default_folder(args) -> str:
+    """runs/<config>-<baseline>[-ep<N>], or -2, -3, ... after it: a new run takes the first
+    that holds no run, --resume the last that does."""
+    base = os.path.join("runs", f"{args.config}-{args.baseline}")
+    base += f"-ep{args.ep}" if args.ep > 1 else ""
+    names = [base] + [f"{base}-{i}" for i in range(2, 1000)]
+    used = [n for n in names if _holds_run(n)]
+    if args.resume:
+        return used[-1] if used else base
+    return next(n for n in names if not _holds_run(n))
+
+
 def run_folder(args, par: Parallel) -> str:
-    """The run folder, checked: no earlier run is overwritten silently."""
-    name = f"{args.config}-{args.baseline}" + (f"-ep{args.ep}" if args.ep > 1 else "")
-    out = args.out or os.path.join("runs", name)
+    """The run folder, the same on every rank; an earlier run is never overwritten silently."""
+    out = args.out
+    if out is None:
+        out = _default_folder(args) if par.rank == 0 else None
+        if par.size > 1:
+            box = [out]
+            dist.broadcast_object_list(box, src=0)
+            out = box[0]
     ckpt = os.path.join(out, "checkpoint")
     if args.resume and not os.path.exists(os.path.join(ckpt, ".metadata")):
         raise SystemExit(f"--resume: no checkpoint at {ckpt}")
-    had_run = any(os.path.exists(os.path.join(out, f)) for f in ("losses.json", "checkpoint"))
-    if had_run and not (args.resume or args.overwrite):
+    if _holds_run(out) and not (args.resume or args.overwrite):
         raise SystemExit(
             f"{out} holds an earlier run: --resume continues it, --overwrite replaces it, or "
             "choose another --out"

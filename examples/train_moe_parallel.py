@@ -142,7 +142,7 @@ class Parallel:
 
         model_sd, optim_sd = self._wrapped(*get_state_dict(model, opt))
         state = {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(), **extra}
-        with _single_process_quiet():  # --stop-after then --resume saves over the same folder
+        with _quiet_checkpoint():  # --stop-after then --resume saves over the same folder
             dcp.save(state, storage_writer=dcp.FileSystemWriter(path, overwrite=True))
 
     def load(self, path: str, model, opt, sched, extra: dict) -> dict:
@@ -156,7 +156,7 @@ class Parallel:
         wrapped_model, wrapped_optim = self._wrapped(model_sd, optim_sd)
         state = {"model": wrapped_model, "optim": wrapped_optim, "sched": sched.state_dict(),
                  **extra}  # fmt: skip
-        with _single_process_quiet():
+        with _quiet_checkpoint():
             dcp.load(state, checkpoint_id=path)  # into the (wrapped) tensors, in place
         set_state_dict(
             model, opt, model_state_dict=model_sd,
@@ -167,11 +167,12 @@ class Parallel:
 
 
 @contextlib.contextmanager
-def _single_process_quiet():
-    """Without torchrun, torch.distributed.checkpoint warns that it saves in a single process:
-    that is the intent here."""
+def _quiet_checkpoint():
+    """torch.distributed.checkpoint warns that it saves in a single process without torchrun,
+    and that it replaces the folder's checkpoint when told to: both are the intent here."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
         yield
 
 

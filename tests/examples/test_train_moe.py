@@ -58,6 +58,19 @@ def test_resume_continues_with_identical_losses(tmp_path):
     assert resumed["losses"] == full["losses"]
 
 
+def test_default_run_folders_never_collide(tmp_path):
+    """Without --out each run takes a new folder under runs/; --resume takes the last one."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    for extra in ((), (), ("--resume",)):
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--steps", "2", "--no-progress", *extra],
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "run folder runs/tiny-moekit-2" in proc.stdout  # the resumed one
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["tiny-moekit", "tiny-moekit-2"]
+
+
 def _fails(*args: str) -> str:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
