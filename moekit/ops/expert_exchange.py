@@ -243,7 +243,7 @@ class ExpertExchange:
         lay, n = self._layout, self.num_tokens * self.W
         self._region(lay.lists, 1, n, torch.int32)[0].copy_(self.routes.lists[:n])
 
-    def pull_tokens(self, x_dtype, H: int, meta: bool, like: torch.Tensor) -> tuple:
+    def _pull_tokens(self, x_dtype, H: int, meta: bool, like: torch.Tensor) -> tuple:
         """Barrier-wrapped read of what the peers staged in their x (and x_meta) regions."""
         bound, k = self.bound, self.indices.shape[1]
         out = like.new_empty(bound, H, dtype=x_dtype)
@@ -257,7 +257,7 @@ class ExpertExchange:
         self._barrier()
         return out, ids, probs
 
-    def pull_sum(self, rows: torch.Tensor, meta: torch.Tensor | None) -> tuple:
+    def _pull_sum(self, rows: torch.Tensor, meta: torch.Tensor | None) -> tuple:
         """Stage ``rows`` (and ``meta``) in the y regions, then read back every token's sum."""
         lay, pool, bound = self._layout, self._pool, self.bound
         H, sms, e = rows.shape[1], num_sms(rows), rows.element_size()
@@ -278,7 +278,7 @@ class ExpertExchange:
         self._barrier()
         return out, meta_out
 
-    def stage_tokens(self, x: torch.Tensor, probs: torch.Tensor | None) -> None:
+    def _stage_tokens(self, x: torch.Tensor, probs: torch.Tensor | None) -> None:
         """x (and its slots' global ids and probs) and the lists into this rank's regions."""
         lay, T, k = self._layout, self.num_tokens, self.indices.shape[1]
         self._region(lay.x, T, x.shape[1], x.dtype).copy_(x)
@@ -345,9 +345,9 @@ class _SymmetricDispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, ex: ExpertExchange):
         ctx.ex, ctx.probs_dtype = ex, probs.dtype
-        ex.stage_tokens(x, probs)
+        ex._stage_tokens(x, probs)
         ex._barrier(with_counts=True)  # also: every rank has staged its tokens
-        rows, ids, p = ex.pull_tokens(x.dtype, x.shape[1], True, x)
+        rows, ids, p = ex._pull_tokens(x.dtype, x.shape[1], True, x)
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(ids)
         return rows, p, ids
@@ -359,7 +359,7 @@ class _SymmetricDispatch(torch.autograd.Function):
         if want_p:  # a slot's prob reached this rank as 0 unless its expert is here
             (ids,) = ctx.saved_tensors
             grad_probs = torch.where(ids >= 0, grad_probs, 0.0)
-        gx, gp = ex.pull_sum(grad_rows, grad_probs if want_p else None)
+        gx, gp = ex._pull_sum(grad_rows, grad_probs if want_p else None)
         return gx, gp.to(ctx.probs_dtype) if want_p else None, None
 
 
@@ -370,12 +370,12 @@ class _SymmetricCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, ex: ExpertExchange):
         ctx.ex = ex
-        return ex.pull_sum(y, None)[0]
+        return ex._pull_sum(y, None)[0]
 
     @staticmethod
     def backward(ctx, grad):
         ex = ctx.ex
         grad = grad if grad.stride(-1) == 1 else grad.contiguous()
-        ex.stage_tokens(grad, None)
+        ex._stage_tokens(grad, None)
         ex._barrier()
-        return ex.pull_tokens(grad.dtype, grad.shape[1], False, grad)[0], None
+        return ex._pull_tokens(grad.dtype, grad.shape[1], False, grad)[0], None
