@@ -118,11 +118,13 @@ class ExpertParallelRouting:
         max_tokens = T if backend == "all_to_all" else self._agreed_max_tokens(T, tokens.device)
         capacity = None  # the most rows any source keeps per expert, where known statically
         if capacity_factor is not None:
-            mine = -(-math.ceil(capacity_factor * T * k / self.num_experts) // a) * a
-            indices = capacity_drop(indices, probs.detach(), self.num_experts, mine)
+
+            def rows_per_expert(tokens: int) -> int:  # ceil(cf·T·k/E), up to a multiple of align
+                return -(-math.ceil(capacity_factor * tokens * k / self.num_experts) // a) * a
+
+            indices = capacity_drop(indices, probs.detach(), self.num_experts, rows_per_expert(T))
             if backend != "all_to_all":  # max_tokens bounds every rank's T, hence its capacity
-                capacity = -(-math.ceil(capacity_factor * max_tokens * k / self.num_experts) // a)
-                capacity *= a
+                capacity = rows_per_expert(max_tokens)
         ex = ExpertExchange(indices, self.num_experts, self.group, max_tokens, backend)
         self.last_exchange = ex
         rows, row_probs, ids = ex.dispatch(tokens, probs)
