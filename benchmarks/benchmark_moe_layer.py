@@ -457,12 +457,13 @@ def run_ep_shape(name, spec, args, device) -> dict:
     res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
     time_fn = lambda f: _max_over_ranks(fixed_count_ms(f, warmup=3, calls=EP_CALLS))
     fns, layers = {}, {}
-    modes = [("moekit", None, "auto"), ("moekit_capacity", CAPACITY_FACTOR, "auto")]
-    if W > 1:
-        modes.append(("moekit_all_to_all", None, "all_to_all"))
+    modes = [("moekit", None, "auto", None), ("moekit_capacity", CAPACITY_FACTOR, "auto", None)]
+    if W > 1:  # and the overlapped chunk counts asked for
+        modes.append(("moekit_all_to_all", None, "all_to_all", None))
+        modes += [(f"moekit_chunks{c}", None, "auto", c) for c in args.ep_chunks if c > 1]
     first = None
-    for mode, cf, backend in modes:
-        config = ExpertParallelConfig(backend=backend) if group is not None else None
+    for mode, cf, backend, chunks in modes:
+        config = ExpertParallelConfig(backend, chunks=chunks) if group is not None else None
         if first is None:
             layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf,
                                       config)  # fmt: skip
@@ -481,7 +482,7 @@ def run_ep_shape(name, spec, args, device) -> dict:
     for fn in fns.values():
         fn()
     if group is not None:
-        res["backend"] = layers["moekit"][0].ep.last_exchange.backend
+        res["backend"] = layers["moekit"][0].ep.last_exchanges[0].backend
     best, _ = interleaved_rounds(fns, 2, time_fn, on_error=_report(res))
     for c, ms in best.items():
         res[f"{c}_ms"] = ms
@@ -492,6 +493,13 @@ def run_ep_shape(name, spec, args, device) -> dict:
         res.update(_exchange_figures(*layers["moekit"], group))
         res["exchange_kernel_share"] = _exchange_share(fns["moekit"])
         res["exchange_share"] = res["exchange_step_ms"] / res["moekit_ms"]
+        # exposed exchange of a chunked step: its time over the experts' alone (the one-chunk
+        # step less its exchange), as a share of the exchange's time (one chunk: 1)
+        compute_ms = res["moekit_ms"] - res["exchange_step_ms"]
+        for c in args.ep_chunks:
+            if f"moekit_chunks{c}_ms" in res:
+                exposed = max(0.0, res[f"moekit_chunks{c}_ms"] - compute_ms)
+                res[f"chunks{c}_exposed_share"] = exposed / res["exchange_step_ms"]
     return res
 
 
@@ -679,6 +687,13 @@ def ep_table(rows, W: int, p2p: float) -> list[str]:
             f"{100 * gb / p2p if p2p == p2p else math.nan:>7.0f}"
             f"{r.get('exchange_share', math.nan):>11.2f}{r['moekit_peak_mib']:>9.0f}"
         )
+        for key in sorted(k for k in r if k.endswith("_exposed_share")):
+            c = key.removeprefix("chunks").removesuffix("_exposed_share")
+            lines.append(
+                f"  {c} overlapped chunks: {r[f'moekit_chunks{c}_tokens_per_s']:.0f} tok/s per GPU"
+                f" ({r[f'moekit_chunks{c}_ms'] / r['moekit_ms']:.2f}× one chunk's time), "
+                f"exchange exposed {r[key]:.2f}"
+            )
     return lines
 
 
@@ -695,6 +710,8 @@ def main() -> None:
                     help="also fp32 parameters under bf16 autocast")  # fmt: skip
     ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
     ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
+    ap.add_argument("--ep-chunks", type=int, nargs="*", default=[],
+                    help="also time the layer in these many overlapped chunks")  # fmt: skip
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke

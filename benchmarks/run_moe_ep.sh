@@ -3,7 +3,8 @@
 # then benchmark_moe_layer.py at EP 1, the largest EP, and 2 (the scaling is against the EP 1
 # run of the same machine).
 #   bash benchmarks/run_moe_ep.sh bench_out      (MOEKIT_EP_CHECK_STEPS=0 skips the checks;
-#   BENCH_EPS="4" EP1_JSON=... times one EP size against an earlier EP 1 file)
+#   BENCH_EPS="4" EP1_JSON=... times one EP size against an earlier EP 1 file; BENCH_ARGS are
+#   passed to every EP > 1 run, e.g. "--ep-chunks 4")
 # NVLink multicast is forbidden on the test machines: keep these three set in every launch.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0
@@ -42,6 +43,7 @@ for W in ${BENCH_EPS:-1 $NGPU 2}; do  # BENCH_EPS=none: no benchmark
     CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_S:-300}" $PY $BENCH --ep 1 --out "$OUT" 2>&1 | tail -4
   else
     timeout "${BENCH_S:-300}" $RUN --nproc_per_node="$W" $BENCH --ep "$W" --out "$OUT" \
-      --ep-baseline "${EP1_JSON:-$OUT/moe_layer_ep1.json}" 2>&1 | grep -v '^{' | tail -6
+      --ep-baseline "${EP1_JSON:-$OUT/moe_layer_ep1.json}" ${BENCH_ARGS:-} 2>&1 \
+      | grep -v '^{' | tail -6
   fi
 done

@@ -68,7 +68,7 @@ def main() -> None:
     step()
     p2p = p2p_copy_gb_per_s()
     ms = fixed_count_ms(step, 3, 10)
-    ex = layer.ep.last_exchange
+    ex = layer.ep.last_exchanges[0]
     table = ex.table.long()
     with torch.no_grad():
         ids = layer.router(x.detach()).indices

@@ -8,11 +8,20 @@ Dropless and capacity-limited calls take the same path: a capacity limit drops t
 ``C = ceil(cf·T·k/E)`` per expert on each source rank before anything moves, so only kept
 slots cross the wire and the owner computes no padding. With the symmetric exchange nothing is
 read back to the host and a step can be captured in a CUDA graph.
+
+Overlap: a call may split its tokens into chunks, each exchanged on its own (its own symmetric
+buffer). The exchanges run on a side stream, the experts on the caller's, so chunk i+1's
+dispatch runs while chunk i's experts compute and chunk i's combine while chunk i+1's do. The
+backward follows the same streams (autograd runs each op's backward on its forward's stream),
+so the gradients' exchanges overlap the experts' backward GEMMs the same way. Each token's
+result is the same as unchunked; the weight gradients are summed over the chunks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -45,11 +54,20 @@ class ExpertParallelConfig:
         case ``W·max_tokens·min(k, E/W)``, which can never be exceeded (dropless) but allocates
         W times an even share. A call that routes more rows to one rank than the bound fails
         with a device-side assert (never a silent drop).
+    chunks: how many pieces a call's tokens are exchanged in, so that the exchange of one
+        overlaps the experts of another (see the module docstring). Each chunk runs the
+        experts' GEMMs over all their weights again and gives a weight gradient of its own,
+        so a chunk costs about three reads and a read-modify-write of the local experts'
+        weights: it pays only where the exchange it hides takes longer. None: one chunk (no
+        overlap; on 2 × H200 two chunks were slower at both benchmark shapes, see
+        docs/moe_layer.md). The bounds above (max_tokens, rows_factor) hold per chunk of
+        ``ceil(max_tokens / chunks)`` tokens.
     """
 
     backend: Literal["auto", "symmetric", "all_to_all"] = "auto"
     max_tokens: int | None = None
     rows_factor: float | None = None
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -64,6 +82,10 @@ class ExpertParallelConfig:
             isinstance(self.rows_factor, (int, float)) and 0 < self.rows_factor < math.inf
         ):
             raise ValueError(f"rows_factor must be a finite float > 0, got {self.rows_factor!r}")
+        if self.chunks is not None and (
+            isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1
+        ):
+            raise ValueError(f"chunks must be a positive int or None, got {self.chunks!r}")
 
 
 class ExpertParallelRouting:
@@ -78,7 +100,8 @@ class ExpertParallelRouting:
         self.group, self.num_experts, self.config = group, num_experts, config
         self.experts_local = num_experts // W
         self.max_tokens = config.max_tokens
-        self.last_exchange: ExpertExchange | None = None
+        self.last_exchanges: list[ExpertExchange] = []
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def _agreed_max_tokens(self, T: int, device: torch.device) -> int:
         """max_tokens: the config's, or the first call's largest T over the ranks (once)."""
@@ -88,16 +111,42 @@ class ExpertParallelRouting:
             self.max_tokens = int(t)  # the one host read, at set-up
         return self.max_tokens
 
-    def _rows_bound(self, received: int, k: int, align: int, capacity: int | None) -> int:
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._side_streams:
+            self._side_streams[device] = torch.cuda.Stream(device)
+        return self._side_streams[device]
+
+    def _rows_bound(self, received: int, k: int, align: int, capacity: int | None,
+                    max_tokens: int) -> int:  # fmt: skip
         """Static bound of the expert rows on this rank (see ExpertParallelConfig)."""
         El, W = self.experts_local, self.group.size()
         rows = max_rows(received, min(k, El), El, align)
         if capacity is not None:  # at most C per expert from each source, plus padding
             rows = min(rows, El * W * capacity + El * (align - 1))
         if self.config.rows_factor is not None:
-            share = math.ceil(self.config.rows_factor * self.max_tokens * k)
+            share = math.ceil(self.config.rows_factor * max_tokens * k)
             rows = min(rows, share + El * (align - 1))
         return rows
+
+    def _local_experts(
+        self, received: tuple, *, experts: Callable, bound_args: tuple, align: int | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """This rank's experts over the received tokens: one summed row per token."""
+        rows, row_probs, ids = received
+        bound = self._rows_bound(rows.shape[0], ids.shape[1], align or 1, *bound_args)
+        d = permute(
+            rows, ids, row_probs, num_experts=self.experts_local, align=align, out_rows=bound,
+            zero_tail=False,
+        )  # fmt: skip
+        if self.config.rows_factor is not None:
+            torch._assert_async(
+                d.tokens_per_expert.sum() == (ids >= 0).sum(),
+                "MoELayer: more expert rows reached this rank than ExpertParallelConfig."
+                "rows_factor allows",
+            )
+        y = experts(d.hidden, d.offsets, d.probs.to(dtype), zero_tail=False)
+        return unpermute(y, d, weighted=False, zero_tail=False)
 
     def __call__(
         self,
@@ -125,21 +174,53 @@ class ExpertParallelRouting:
             indices = capacity_drop(indices, probs.detach(), self.num_experts, rows_per_expert(T))
             if backend != "all_to_all":  # max_tokens bounds every rank's T, hence its capacity
                 capacity = rows_per_expert(max_tokens)
-        ex = ExpertExchange(indices, self.num_experts, self.group, max_tokens, backend)
-        self.last_exchange = ex
-        rows, row_probs, ids = ex.dispatch(tokens, probs)
-        bound = self._rows_bound(rows.shape[0], k, a, capacity)
-        d = permute(
-            rows, ids, row_probs, num_experts=self.experts_local, align=align, out_rows=bound,
-            zero_tail=False,
+        chunks = self.config.chunks or 1
+        chunk_max = -(-max_tokens // chunks)  # every rank's chunks are at most this long
+        step = -(-T // chunks)
+        spans = [(min(i * step, T), min((i + 1) * step, T)) for i in range(chunks)]
+        local = functools.partial(
+            self._local_experts, experts=experts, bound_args=(capacity, chunk_max), align=align,
+            dtype=tokens.dtype,
         )  # fmt: skip
-        if self.config.rows_factor is not None:
-            torch._assert_async(
-                d.tokens_per_expert.sum() == (ids >= 0).sum(),
-                "MoELayer: more expert rows reached this rank than ExpertParallelConfig."
-                "rows_factor allows",
-            )
-        y = experts(d.hidden, d.offsets, d.probs.to(tokens.dtype), zero_tail=False)
-        part = unpermute(y, d, weighted=False, zero_tail=False)  # one row per received token
-        out = ex.combine(part)
+        outs = self._exchange_chunks(tokens, indices, probs, local, spans, chunk_max, backend)
+        out = outs[0] if chunks == 1 else torch.cat(outs)
         return out if shape is None or tuple(shape) == tuple(out.shape) else out.view(shape)
+
+    def _exchange_chunks(self, tokens, indices, probs, local, spans, chunk_max, backend) -> list:
+        """Dispatch every chunk, run ``local`` on each as it arrives, combine each: exchanges on
+        the side stream (when there are several chunks on a GPU), experts on the caller's."""
+        side = self._side_stream(tokens.device) if len(spans) > 1 and tokens.is_cuda else None
+        main = torch.cuda.current_stream(tokens.device) if side is not None else None
+
+        def on_side():
+            return contextlib.nullcontext() if side is None else torch.cuda.stream(side)
+
+        def hand_over(tensors, consumer, producer):  # producer's results to consumer's stream
+            if side is not None:
+                consumer.wait_stream(producer)
+                for t in tensors:
+                    t.record_stream(consumer)
+
+        hand_over((tokens, indices, probs), side, main)
+        self.last_exchanges, received = [], []
+        for i, (lo, hi) in enumerate(spans):  # every dispatch first: they wait on nothing
+            with on_side():
+                ex = ExpertExchange(
+                    indices[lo:hi], self.num_experts, self.group, chunk_max, backend, channel=i
+                )
+                received.append(ex.dispatch(tokens[lo:hi], probs[lo:hi]))
+                done = None if side is None else side.record_event()
+            self.last_exchanges.append(ex)
+            received[-1] = (received[-1], done)
+        outs = []
+        for ex, (got, done) in zip(self.last_exchanges, received):
+            if side is not None:  # this chunk's tokens only, not the later dispatches
+                main.wait_event(done)
+                for t in got:
+                    t.record_stream(main)
+            part = local(got)
+            hand_over((part,), side, main)
+            with on_side():
+                outs.append(ex.combine(part))
+        hand_over(outs, main, side)
+        return outs

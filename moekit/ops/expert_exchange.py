@@ -40,11 +40,18 @@ __all__ = [
     "ExchangeRoutes",
     "ExpertExchange",
     "exchange_routes",
+    "pool_use",
     "symmetric_unsupported",
 ]
 
 BACKENDS = ("auto", "symmetric", "all_to_all")
 POOL_USE = "expert_exchange"  # the symmetric pool's name (apart from the all-reduce's)
+
+
+def pool_use(channel: int) -> str:
+    """The name of the symmetric pool of exchange ``channel``: exchanges in flight at the same
+    time (the chunks of one layer call) each have their own buffer and barrier epochs."""
+    return POOL_USE if channel == 0 else f"{POOL_USE}/{channel}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +130,9 @@ class ExpertExchange:
         max_tokens: the most tokens any rank passes (every rank passes the same value): the
             symmetric backend's static bound; the all-to-all backend does not use it.
         backend: ``"symmetric"``, ``"all_to_all"`` or ``"auto"`` (symmetric where it can run).
+        channel: which symmetric pool the exchange uses (:func:`pool_use`); exchanges that may
+            be in flight at once need different channels, every rank using the same one for
+            the same exchange.
 
     :meth:`dispatch` then :meth:`combine`, once each, in that order, on every rank of the group.
     """
@@ -134,6 +144,7 @@ class ExpertExchange:
         group: dist.ProcessGroup,
         max_tokens: int,
         backend: Literal["auto", "symmetric", "all_to_all"] = "auto",
+        channel: int = 0,
     ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -151,7 +162,7 @@ class ExpertExchange:
                 f"{max_tokens} (the exchange's static bound): raise it"
             )
         self.routes = exchange_routes(indices, self.E_local, W)
-        self.backend = backend
+        self.backend, self.channel = backend, channel
         self._pool = self._layout = None
         self.table: torch.Tensor | None = None  # [W, W] cnt[source, destination] (symmetric)
         self._splits: tuple[list[int], list[int]] | None = None  # (send, recv) (all_to_all)
@@ -166,7 +177,7 @@ class ExpertExchange:
             return reason
         k = self.indices.shape[1]
         layout = kernels.exchange_layout(self.W, self.max_tokens, x.shape[1], x.element_size(), k)
-        pool = get_pool(self.group, use=POOL_USE, min_bytes=layout.nbytes)
+        pool = get_pool(self.group, use=pool_use(self.channel), min_bytes=layout.nbytes)
         if not pool.available:
             return pool.reason
         if pool.device.type != x.device.type or pool.nbytes < layout.nbytes:

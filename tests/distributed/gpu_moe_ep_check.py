@@ -15,7 +15,13 @@ Checks (every rank; a failure raises):
    receive none) — keep every rank in step (a step counter all-reduced at the end, no hang)
    and match the all-to-all exchange on the same inputs every 100 steps;
 3. dropless and capacity steps run without a host sync (``set_sync_debug_mode("error")``) and
-   a step captured in a CUDA graph replays with new data like an eager step.
+   a step captured in a CUDA graph replays with new data like an eager step, in one chunk and
+   in two (the exchanges on a side stream, overlapping the experts);
+4. a chunked layer (2 and 3 chunks, exchanges overlapping the experts) equals the unchunked
+   one: outputs and input gradients, expert and router weight gradients (summed over chunks).
+
+Checks 1 and 2 also run chunked (3 chunks in check 1; 2 in the uneven steps, whose one-token
+steps leave a chunk empty).
 """
 
 from __future__ import annotations
@@ -61,8 +67,8 @@ def layers(rank: int, W: int, group, capacity_factor=None, config=None):
     return full, ep
 
 
-def check_equals_single_gpu(rank: int, W: int, group, capacity_factor, backend) -> None:
-    config = ExpertParallelConfig(backend=backend)
+def check_equals_single_gpu(rank, W, group, capacity_factor, backend, chunks=None) -> None:
+    config = ExpertParallelConfig(backend=backend, chunks=chunks)
     full, ep = layers(rank, W, group, capacity_factor, config)
     gen = torch.Generator(device="cuda").manual_seed(7)
     sizes = [300 + 97 * r for r in range(W)]
@@ -71,7 +77,7 @@ def check_equals_single_gpu(rank: int, W: int, group, capacity_factor, backend) 
     x = xs[rank].clone().requires_grad_()
     y = ep(x)
     y.backward(gs[rank])
-    used = ep.ep.last_exchange.backend
+    used = ep.ep.last_exchanges[0].backend
     assert used == ("symmetric" if backend == "auto" else backend), used
     xa = torch.cat(xs).requires_grad_()
     if capacity_factor is None:
@@ -126,7 +132,8 @@ def check_exchange_backends(rank: int, W: int, group, rounds: int = 6) -> None:
 
 
 def check_many_uneven_steps(rank: int, W: int, group, steps: int) -> None:
-    _, ep = layers(rank, W, group, config=ExpertParallelConfig("symmetric", max_tokens=700))
+    config = ExpertParallelConfig("symmetric", max_tokens=700, chunks=2)
+    _, ep = layers(rank, W, group, config=config)
     _, a2a = layers(rank, W, group, config=ExpertParallelConfig("all_to_all"))
     bias = torch.zeros(E, H, device="cuda", dtype=DT)
     bias[: E // W] = 0.2  # with inputs of positive mean: everything to rank 0's experts
@@ -162,8 +169,9 @@ def check_many_uneven_steps(rank: int, W: int, group, steps: int) -> None:
     log(rank, f"ok  {steps} uneven steps in step on {W} ranks ({time.perf_counter() - t0:.1f} s)")
 
 
-def check_sync_free_graph(rank: int, W: int, group, capacity_factor) -> None:
-    _, ep = layers(rank, W, group, capacity_factor=capacity_factor)
+def check_sync_free_graph(rank: int, W: int, group, capacity_factor, chunks) -> None:
+    config = ExpertParallelConfig(chunks=chunks)
+    _, ep = layers(rank, W, group, capacity_factor=capacity_factor, config=config)
     params = list(ep.parameters())
     x = torch.randn(256, H, device="cuda", dtype=DT, requires_grad=True)
     g = torch.randn_like(x)
@@ -181,7 +189,27 @@ def check_sync_free_graph(rank: int, W: int, group, capacity_factor) -> None:
         for got, want in zip(static, eager):
             assert rel(got, want) < 1e-2
     mode = "dropless" if capacity_factor is None else "capacity"
-    log(rank, f"ok  {mode}: no host sync; CUDA-graph step replays like eager")
+    log(rank, f"ok  {mode}, {chunks} chunk(s): no host sync; CUDA-graph step replays like eager")
+
+
+def check_chunks_equal_unchunked(rank: int, W: int, group, chunks: int) -> None:
+    _, one = layers(rank, W, group, config=ExpertParallelConfig(chunks=1))
+    _, many = layers(rank, W, group, config=ExpertParallelConfig(chunks=chunks))
+    gen = torch.Generator(device="cuda").manual_seed(11 + rank)
+    T = 3000 + 113 * rank
+    x = torch.randn(T, H, device="cuda", generator=gen).to(DT)
+    g = torch.randn(T, H, device="cuda", generator=gen).to(DT)
+    got = {}
+    for name, layer in (("one", one), ("many", many)):
+        xb = x.clone().requires_grad_()
+        y = layer(xb)
+        y.backward(g)
+        assert len(layer.ep.last_exchanges) == (1 if name == "one" else chunks)
+        got[name] = [y, xb.grad, *(p.grad for p in layer.parameters())]
+    for i, (a, b) in enumerate(zip(got["many"], got["one"])):
+        err = rel(a, b)
+        assert err < 1e-2, f"{chunks} chunks: tensor {i} differs from one chunk, rel {err:.3g}"
+    log(rank, f"ok  {chunks} overlapped chunks equal one chunk (outputs, all gradients)")
 
 
 def main() -> None:
@@ -200,11 +228,16 @@ def main() -> None:
         for backend in ("auto", "all_to_all"):
             for cf in (None, 1.0):
                 check_equals_single_gpu(rank, W, group, cf, backend)
+        for cf in (None, 1.0):
+            check_equals_single_gpu(rank, W, group, cf, "auto", chunks=3)
         log(rank, f"ok  EP layer equals the single-GPU layer (dropless, capacity; symmetric, "
-                  f"all_to_all) on {W} ranks")  # fmt: skip
+                  f"all_to_all; symmetric in 3 chunks) on {W} ranks")  # fmt: skip
+        for chunks in (2, 3):
+            check_chunks_equal_unchunked(rank, W, group, chunks)
         check_many_uneven_steps(rank, W, group, steps)
         for cf in (None, 1.25):
-            check_sync_free_graph(rank, W, group, cf)
+            for chunks in (1, 2):
+                check_sync_free_graph(rank, W, group, cf, chunks)
         dist.barrier()
         log(rank, f"ALL EP CHECKS PASSED on {W} ranks")
     finally:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from moekit.distributed import set_pool
 from moekit.kernels.exchange import exchange_layout
 from moekit.nn import ExpertParallelConfig, MoELayer
-from moekit.ops.expert_exchange import POOL_USE
+from moekit.ops.expert_exchange import pool_use
 from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
 from tests._shared_pool import SharedFilePool, make_files
 
@@ -30,7 +30,7 @@ H, F, E, K, T = 16, 8, 8, 2, 11
 MAX_T = T + 9 * 3  # the most tokens a rank passes (the symmetric exchange's bound)
 
 
-def _worker(rank: int, world: int, port: int, capacity_factor, align, paths=None) -> None:
+def _worker(rank, world, port, capacity_factor, align, chunks=None, paths=None) -> None:
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
@@ -38,11 +38,12 @@ def _worker(rank: int, world: int, port: int, capacity_factor, align, paths=None
         torch.manual_seed(0)
         kw = dict(shared_expert_ffn_size=8, capacity_factor=capacity_factor, align=align)
         full = MoELayer(H, F, E, K, **kw)
-        cfg = ExpertParallelConfig()
-        if paths is not None:
+        cfg = ExpertParallelConfig(chunks=chunks)
+        if paths is not None:  # a pool per channel (chunk), each large enough for all tokens
             nbytes = exchange_layout(world, MAX_T, H, 4, K).nbytes
-            set_pool(SharedFilePool(dist.group.WORLD, paths, nbytes), use=POOL_USE)
-            cfg = ExpertParallelConfig(backend="symmetric", max_tokens=MAX_T)
+            for channel, files in enumerate(paths):
+                set_pool(SharedFilePool(dist.group.WORLD, files, nbytes), use=pool_use(channel))
+            cfg = ExpertParallelConfig(backend="symmetric", max_tokens=MAX_T, chunks=chunks)
         ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, ep_config=cfg, **kw)
         El = E // world
         state = full.state_dict()
@@ -75,8 +76,9 @@ def _worker(rank: int, world: int, port: int, capacity_factor, align, paths=None
         dist.all_reduce(router_grad)  # replicated router: its gradient sums over ranks
         torch.testing.assert_close(router_grad, full.router.weight.grad, rtol=1e-4, atol=1e-5)
         if paths is not None:
-            assert ep.ep.last_exchange.backend == "symmetric"
-            # more calls in a row, other token counts: the barriers' epochs stay in step
+            assert [ex.backend for ex in ep.ep.last_exchanges] == ["symmetric"] * (chunks or 1)
+            # more calls in a row, other token counts (with chunks: chunks without tokens):
+            # the barriers' epochs stay in step
             for n in (1, MAX_T, 3 + rank):
                 xr = torch.randn(n, H, requires_grad=True)
                 ep(xr).sum().backward()
@@ -88,12 +90,15 @@ def _worker(rank: int, world: int, port: int, capacity_factor, align, paths=None
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "world, capacity_factor, align",
-    [(2, None, None), (2, 0.75, None), (2, None, 8), (4, None, None), (4, 0.75, None)],
-    ids=["2-dropless", "2-capacity", "2-aligned", "4-dropless", "4-capacity"],
+    "world, capacity_factor, align, chunks",
+    [(2, None, None, None), (2, 0.75, None, 2), (2, None, 8, None), (4, None, None, 3),
+     (4, 0.75, None, None)],
+    ids=["2-dropless", "2-capacity-2chunks", "2-aligned", "4-dropless-3chunks", "4-capacity"],
 )  # fmt: skip
-def test_expert_parallel_equals_single_process(world, capacity_factor, align):
-    mp.spawn(_worker, args=(world, _port(), capacity_factor, align), nprocs=world, join=True)
+def test_expert_parallel_equals_single_process(world, capacity_factor, align, chunks):
+    """Chunked calls (each chunk exchanged on its own) give the unchunked results too."""
+    args = (world, _port(), capacity_factor, align, chunks)
+    mp.spawn(_worker, args=args, nprocs=world, join=True)
 
 
 def _port() -> int:
@@ -104,15 +109,21 @@ def _port() -> int:
 
 @pytest.mark.dist
 @pytest.mark.parametrize(
-    "capacity_factor, align", [(None, None), (0.75, 8)], ids=["dropless", "capacity-aligned"]
+    "capacity_factor, align, chunks",
+    [(None, None, None), (0.75, 8, None), (None, None, 3)],
+    ids=["dropless", "capacity-aligned", "dropless-3chunks"],
 )
-def test_symmetric_exchange_layer_in_interpreter(capacity_factor, align, interpret):
+def test_symmetric_exchange_layer_in_interpreter(capacity_factor, align, chunks, interpret):
     if not interpret:
         pytest.skip("runs the exchange kernels in Triton's interpreter (TRITON_INTERPRET=1)")
     world = 2
     with tempfile.TemporaryDirectory() as d:
-        paths = make_files(d, world, exchange_layout(world, MAX_T, H, 4, K).nbytes)
-        args = (world, _port(), capacity_factor, align, paths)
+        nbytes = exchange_layout(world, MAX_T, H, 4, K).nbytes
+        paths = []
+        for channel in range(chunks or 1):
+            os.mkdir(os.path.join(d, str(channel)))
+            paths.append(make_files(os.path.join(d, str(channel)), world, nbytes))
+        args = (world, _port(), capacity_factor, align, chunks, paths)
         mp.spawn(_worker, args=args, nprocs=world, join=True)
     assert not os.path.exists(d)
 
@@ -134,6 +145,8 @@ def test_expert_parallel_configuration_errors():
         ExpertParallelConfig(max_tokens=0)
     with pytest.raises(ValueError, match="rows_factor must be a finite float"):
         ExpertParallelConfig(rows_factor=-1.0)
+    with pytest.raises(ValueError, match="chunks must be a positive int"):
+        ExpertParallelConfig(chunks=0)
 
 
 @pytest.mark.gpu
