@@ -1,7 +1,9 @@
 # The README's two commands: `make run` (main job) and `make test` (the test suite).
 # Both create .venv on first use. --system-site-packages keeps a torch/triton that the machine
-# already has (a GPU image); on a fresh machine the CPU build torch==2.13.0 is installed instead
-# of the multi-GB CUDA wheels, and triton 3.6 for its CPU interpreter.
+# already has (a GPU image); otherwise torch==2.13.0 and triton 3.6 (for its CPU interpreter) come
+# from pip's index: from PyPI on Linux that torch is the CUDA build (several GB; runs on CPU too).
+# The CPU-only build comes only from https://download.pytorch.org/whl/cpu (--index-url) or a
+# local wheel store: install it into .venv first; the `import torch` check below keeps it.
 PY := .venv/bin/python
 
 .venv/.ready: pyproject.toml

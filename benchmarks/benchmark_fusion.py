@@ -1,58 +1,24 @@
-"""moekit.fusion.Sequential against the fused op it runs, called directly, and against its
-own unfused plan.
+"""moekit.fusion.Sequential against the fused op called directly and its own unfused plan.
 
-    python benchmarks/benchmark_fusion.py --out bench_out [--smoke]
+    python benchmarks/benchmark_fusion.py --out bench_out [--smoke] [--autocast] [--pairs N]
     torchrun --nproc-per-node 2 benchmarks/benchmark_fusion.py --tp --out bench_out
 
-For each rule, a chain of basic ops is timed three ways, forward + backward:
-
-  sequential  the chain as a moekit.fusion.Sequential (the rule applies)
-  direct      the fused moekit op or module it stands for, called directly
-  unfused     the same Sequential with every rule off (fusions(disable=["all"]))
-
-Figures: host µs per call while the GPU is kept busy (the median over batches of calls), best
-of 5 rounds taken in turns (the order rotating each round). The target, sequential ≤ direct +
-max(10 µs, 10 %), is judged on the gap sequential − direct measured in adjacent pairs of
-calls (the median over --pairs pairs, default 200, each call timed alone while the GPU is
-kept busy, see common.paired_host_gaps_us), in CPU time of the process (time.process_time:
-the host's own work, the autograd engine's threads included), against 10 % of the direct
-call's CPU time. The same pairs by the wall clock are printed too: on a shared host they
-spread by hundreds of µs (time off the CPU), far more than the allowance. Also: eager µs of
-back-to-back calls; GPU µs from a CUDA graph of 10 calls for the host-bound shapes
-(sequential equal to direct within noise).
-
-One GPU: grouped_mlp, add_rmsnorm and moe, each chain alone (it runs the fused op directly),
-and add_rmsnorm after a Linear (two steps, each run by its own autograd form: F.linear, then
-the fused op). --tp under torchrun: allreduce_add_rmsnorm after a row-parallel Linear (also
-two steps: F.linear, then moekit.ops.allreduce_add_rmsnorm). --autocast: the grouped_mlp
-chain with fp32 parameters and inputs, each call inside a bf16 autocast region.
-Writes fusion.json and fusion.png under --out (fusion_tp.* with --tp, fusion_autocast.* with
---autocast).
+Each rule's chain, forward + backward: host µs behind a GPU sleep (best of 5 rounds in turns),
+eager µs, CUDA-graph µs. Target: sequential ≤ direct + max(10 µs, 10 %), judged on the gap of
+--pairs adjacent pairs (common.paired_host_gaps_us) in process CPU time. --tp: all-reduce rule
+after a row-parallel Linear (fixed call counts on every rank); --autocast: fp32 grouped_mlp.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
 import sys
 import time
 
+import common as bc
 import torch
-from common import (
-    bench_ms,
-    error_line,
-    fixed_count_ms,
-    graph_us,
-    host_ms,
-    host_us_per_call,
-    paired_host_gaps_us,
-    pyplot,
-    save_figure,
-    sleep_cycles_per_ms,
-    write_json,
-)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
@@ -129,16 +95,8 @@ def norm_case(T, H, dev):
     )
     x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
     r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
-    w = seq[2].weight
-
-    def direct():
-        return add_rmsnorm(x, r, w, 1e-6)
-
-    def sequential():
-        return seq(x, r)
-
-    leaves = [x, r, w]
-    return seq, (direct, leaves), (sequential, leaves)
+    leaves = [x, r, seq[2].weight]
+    return seq, (lambda: add_rmsnorm(x, r, leaves[2], 1e-6), leaves), (lambda: seq(x, r), leaves)
 
 
 def linear_norm_case(T, H, dev):
@@ -150,15 +108,8 @@ def linear_norm_case(T, H, dev):
     x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
     r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
     w, wn = seq[0].weight, seq[3].weight
-
-    def direct():
-        return add_rmsnorm(torch.nn.functional.linear(x, w), r, wn, 1e-6)
-
-    def sequential():
-        return seq(x, r)
-
-    leaves = [x, r, w, wn]
-    return seq, (direct, leaves), (sequential, leaves)
+    direct = lambda: add_rmsnorm(torch.nn.functional.linear(x, w), r, wn, 1e-6)
+    return seq, (direct, [x, r, w, wn]), (lambda: seq(x, r), [x, r, w, wn])
 
 
 def moe_case(T, H, E, k, F, dev):
@@ -185,7 +136,48 @@ def _error(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def measure(
+def host_rounds(row, steps, cycles, tp: bool) -> None:
+    """Host and eager µs, best of ROUNDS: host time drifts with other work on the machine, so
+    the contenders take turns in an order that rotates every round. Short host batches: an MoE
+    step enqueues ~100 launches, and a batch must stay under the GPU's launch-queue depth."""
+    host = lambda f: bc.host_us_per_call(f, 200, cycles, per_batch=8, fixed_count=tp)[0]
+    eager = lambda f: (bc.fixed_count_ms(f) if tp else bc.bench_ms(f)) * 1e3
+    bc.measure(steps, {"host_us": host, "eager_us": eager}, ROUNDS, row, rotate=True)
+    gaps = [s - d for s, d in zip(row["sequential_host_us_rounds"], row["direct_host_us_rounds"])]
+    row["host_gap_rounds_median_us"] = statistics.median(gaps)
+
+
+def paired_gaps(row, steps, cycles, tp: bool, pairs: int) -> None:
+    """sequential and direct in adjacent pairs (see paired_host_gaps_us), by the wall clock and
+    by the process's CPU time; the verdict is the CPU time's."""
+    by_clock = bc.paired_host_gaps_us(
+        steps["sequential"], steps["direct"], pairs, cycles, per_batch=4,
+        fixed_count=tp, clocks=(time.perf_counter, time.process_time),
+    )  # fmt: skip
+    for key, paired in zip(("host_gap", "host_gap_cpu"), by_clock):
+        row[f"{key}_us"], row[f"{key}_covered"] = paired.gap_us, paired.covered
+        q = statistics.quantiles(paired.gaps_us, n=4)
+        row[f"{key}_quartiles_us"] = [q[0], q[2]]
+        row[f"{key}_direct_us"] = paired.b_us
+
+
+def graph_times(row, steps, tp: bool) -> None:
+    """GPU µs from a CUDA graph of 10 calls, for the host-bound shapes (the others are
+    GPU-bound eager); none under --tp."""
+    for who, step in steps.items():
+        row[f"{who}_graph_us"] = math.nan
+        if tp or who == "unfused" or row[f"{who}_eager_us"] > 2000:
+            continue
+        try:
+            row[f"{who}_graph_us"] = bc.graph_us(step, calls=10)
+        except Exception as exc:  # a chain that cannot be captured
+            while exc.__context__ is not None:  # the error inside the capture
+                exc = exc.__context__
+            row[f"{who}_graph_error"] = bc.error_line(exc)
+            bc.log(f"  {who}: no CUDA graph ({row[f'{who}_graph_error']})")
+
+
+def measure_case(
     name, rule, seq, direct_case, sequential_case, smoke, cycles, tp=False, pairs=200
 ) -> dict:
     """``tp``: every call holds a collective, so each rank makes the same number of calls (no
@@ -197,9 +189,8 @@ def measure(
     # graph kept alive across the CUDA-graph capture below would break it.
     with torch.no_grad():
         out_d, out_s = direct(), sequential()
-    out_d = out_d if isinstance(out_d, tuple) else (out_d,)
-    out_s = out_s if isinstance(out_s, tuple) else (out_s,)
-    err = max(_error(s, d) for s, d in zip(out_s, out_d))
+    tup = lambda o: o if isinstance(o, tuple) else (o,)
+    err = max(_error(s, d) for s, d in zip(tup(out_s), tup(out_d)))
     plan = seq.plan()  # for an input of the parameters' dtype and device
     fused = rule in plan.fused("forward") or rule in plan.fused("backward")
     steps = {
@@ -210,48 +201,11 @@ def measure(
     row = {"case": name, "rule": rule, "applied": fused, "output_rel_err": err}
     if smoke:
         for who, step in steps.items():
-            row[f"{who}_host_us"] = host_ms(step) * 1e3
+            row[f"{who}_host_us"] = bc.host_ms(step) * 1e3
     else:
-        # Host time drifts with other work on the machine: the contenders take turns, in an
-        # order that rotates every round, and each keeps its best round.
-        names, gaps = list(steps), []
-        for i in range(ROUNDS):
-            this = {}
-            for who in names[i % len(names) :] + names[: i % len(names)]:
-                # short batches: an MoE step enqueues ~100 launches, and a batch must stay
-                # under the GPU's launch-queue depth for the host never to wait
-                us, covered = host_us_per_call(steps[who], 200, cycles, per_batch=8, fixed_count=tp)
-                this[who] = us
-                if us < row.get(f"{who}_host_us", math.inf):
-                    row[f"{who}_host_us"], row[f"{who}_host_covered"] = us, covered
-                eager = (fixed_count_ms(steps[who]) if tp else bench_ms(steps[who])) * 1e3
-                row[f"{who}_eager_us"] = min(eager, row.get(f"{who}_eager_us", math.inf))
-            gaps.append(this["sequential"] - this["direct"])
-        row["host_gap_rounds_us"] = gaps
-        row["host_gap_rounds_median_us"] = statistics.median(gaps)
-        # sequential and direct called in adjacent pairs (see paired_host_gaps_us), timed by
-        # the wall clock and by the process's CPU time; the verdict is the CPU time's
-        by_clock = paired_host_gaps_us(
-            steps["sequential"], steps["direct"], pairs, cycles, per_batch=4,
-            fixed_count=tp, clocks=(time.perf_counter, time.process_time),
-        )  # fmt: skip
-        for key, paired in zip(("host_gap", "host_gap_cpu"), by_clock):
-            row[f"{key}_us"], row[f"{key}_covered"] = paired.gap_us, paired.covered
-            q = statistics.quantiles(paired.gaps_us, n=4)
-            row[f"{key}_quartiles_us"] = [q[0], q[2]]
-            row[f"{key}_direct_us"] = paired.b_us
-        for who, step in steps.items():
-            row[f"{who}_graph_us"] = math.nan
-            # GPU time alone, for the host-bound shapes (the others are GPU-bound eager)
-            if tp or who == "unfused" or row[f"{who}_eager_us"] > 2000:
-                continue
-            try:
-                row[f"{who}_graph_us"] = graph_us(step, calls=10)
-            except Exception as exc:  # a chain that cannot be captured
-                while exc.__context__ is not None:  # the error inside the capture
-                    exc = exc.__context__
-                row[f"{who}_graph_error"] = error_line(exc)
-                print(f"  {who}: no CUDA graph ({row[f'{who}_graph_error']})", flush=True)
+        host_rounds(row, steps, cycles, tp)
+        paired_gaps(row, steps, cycles, tp, pairs)
+        graph_times(row, steps, tp)
     d, s = row["direct_host_us"], row["sequential_host_us"]
     if "host_gap_cpu_us" in row:  # the direct op's CPU time per call sets the allowance
         d = row["host_gap_cpu_direct_us"]
@@ -318,55 +272,20 @@ def tp_cases(dev, smoke: bool):
     return cases
 
 
-def print_table(rows: list[dict], smoke: bool) -> None:
-    cols = ["sequential_host_us", "direct_host_us", "host_budget_us"]
-    if not smoke:
-        cols += [
-            "host_gap_us",
-            "host_gap_cpu_us",
-            "host_allowance_us",
-            "sequential_graph_us",
-            "direct_graph_us",
-            "sequential_eager_us",
-            "unfused_eager_us",
-        ]
-    print("\n" + " | ".join(["case", "rule", *cols, "cpu gap quartiles", "target", "fused x"]))
-    for r in rows:
-        vals = [f"{r.get(c, math.nan):.1f}" for c in cols]
-        q = r.get("host_gap_cpu_quartiles_us")
-        quartiles = f"{q[0]:+.1f} {q[1]:+.1f}" if q else "-"
-        speed = f"{r['fused_speedup_eager']:.2f}" if "fused_speedup_eager" in r else "-"
-        verdict = "met" if r["host_target_met"] else "MISSED"
-        print(" | ".join([r["case"], r["rule"], *vals, quartiles, verdict, speed]))
-
-
-def plot(rows: list[dict], path: str) -> None:
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(10, 4))
-    names = [r["case"] for r in rows]
-    xs = range(len(rows))
-    for i, who in enumerate(("direct", "sequential", "unfused")):
-        ax.bar(
-            [x + (i - 1) * 0.27 for x in xs], [r[f"{who}_host_us"] for r in rows], 0.27, label=who
-        )
-    ax.plot(xs, [r["host_budget_us"] for r in rows], "k_", markersize=20, label="target")
-    ax.set_xticks(list(xs), names, rotation=20, ha="right", fontsize=7)
-    ax.set_ylabel("host µs per forward + backward")
-    ax.set_title("moekit.fusion.Sequential vs the fused op called directly")
-    ax.legend()
-    save_figure(fig, path)
+COLUMNS = [
+    "case", "rule", "sequential_host_us", "direct_host_us", "host_budget_us", "host_gap_us",
+    "host_gap_cpu_us", "host_allowance_us", "sequential_graph_us", "direct_graph_us",
+    "sequential_eager_us", "unfused_eager_us",
+    ("cpu gap quartiles", lambda r: " ".join(f"{q:+.1f}" for q in r.get("host_gap_cpu_quartiles_us", []))),
+    ("target", lambda r: "met" if r["host_target_met"] else "MISSED"), ("fused x", "fused_speedup_eager"),
+]  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on the CPU")
+    ap = bc.parser(__doc__)
     ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
-    ap.add_argument(
-        "--only",
-        default="",
-        help="run only the cases whose name contains one of these (comma-separated)",
-    )
+    ap.add_argument("--only", default="", help="only the cases whose name contains one of "
+                    "these (comma-separated)")  # fmt: skip
     ap.add_argument("--pairs", type=int, default=200, help="adjacent call pairs for the gap")
     ap.add_argument(
         "--autocast", action="store_true",
@@ -388,7 +307,7 @@ def main() -> None:
         make = autocast_cases if args.autocast else single_gpu_cases
         cases = make(args.smoke or not cuda, dev)
     smoke = args.smoke or not cuda
-    cycles = sleep_cycles_per_ms() if cuda else None
+    cycles = bc.sleep_cycles_per_ms() if cuda else None
     writer = not args.tp or dist.get_rank() == 0
     stem = "fusion_tp" if args.tp else "fusion_autocast" if args.autocast else "fusion"
     json_path = os.path.join(args.out, f"{stem}.json")
@@ -400,22 +319,22 @@ def main() -> None:
         print(f"{name}: {rule}", flush=True)
         print("  " + str(seq.plan()).replace("\n", "\n  "), flush=True)
         rows.append(
-            measure(name, rule, seq, direct, sequential, smoke, cycles, args.tp, args.pairs)
+            measure_case(name, rule, seq, direct, sequential, smoke, cycles, args.tp, args.pairs)
         )
         if cuda:
             torch.cuda.empty_cache()  # the CUDA graphs' memory pools
         if writer:  # each case as it finishes: a run cut short keeps the cases it measured
-            print_table(rows[-1:], smoke)
-            write_json(json_path, {"device": device, "rows": rows}, True)
+            bc.write_json(json_path, {"device": device, "rows": rows})
     if args.tp:
         # every rank leaves the group before exiting: a process that exits with a live gloo
         # group may abort in its threads' teardown
         dist.destroy_process_group()
     if not writer:
         return
-    write_json(json_path, {"device": device, "rows": rows}, True)
-    plot(rows, os.path.join(args.out, f"{stem}.png"))
-    print_table(rows, smoke)
+    series = {w: f"{w}_host_us" for w in ("direct", "sequential", "unfused")}
+    panel = bc.bars(rows, {**series, "target (budget)": "host_budget_us"}, "host µs per fwd + bwd",
+                    label="case", title="moekit.fusion.Sequential vs the fused op called directly")  # fmt: skip
+    bc.finish(args.out, stem, {"device": device, "rows": rows}, COLUMNS, [panel], floatfmt=".1f")
 
 
 if __name__ == "__main__":

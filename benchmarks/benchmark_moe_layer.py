@@ -1,74 +1,29 @@
 """MoELayer forward + backward against the torch-native MoE and a per-expert loop.
 
-    python benchmarks/benchmark_moe_layer.py --out bench_out [--quick] [--smoke]
+    python benchmarks/benchmark_moe_layer.py --out bench_out [--quick] [--smoke] [--autocast]
     torchrun --nproc_per_node=N benchmarks/benchmark_moe_layer.py --ep N --out bench_out
 
-Single GPU: at the layer sizes of Qwen3-30B-A3B, OLMoE, DeepSeek-V3 (one EP8 rank's 32 experts,
-sigmoid + group limit + bias) and Mixtral, bf16, aux loss on, skewed routing (the router's
-weights lean towards some experts, so loads differ a lot and the routing is the router's own),
-each contender runs router → dispatch → experts → combine, forward and backward
-(``torch.autograd.grad`` of the output and the aux loss with respect to the input and every
-weight):
-
-  moekit   moekit.nn.MoELayer (also with the experts' activation recomputed in backward)
-  torch    benchmarks/torch_moe.py: F.linear router + softmax/sigmoid topk, argsort permute,
-           torch._grouped_mm SwiGLU experts, index_add_ combine
-  loop     the same router, then a per-expert Python loop of F.linear (single GPU only)
-
-Timing: median of ``triton.testing.do_bench`` (back-to-back eager calls, L2 flushed), in
-interleaved rounds, best round kept; also a CUDA graph of 5 calls for moekit and torch (the
-router alone: 20 calls). The
-expert FLOPs (18·T·k·H·F for fc1, fc2 forward, dgrad and wgrad) over the time give TFLOP/s; the
-floor is those FLOPs at the dense ``torch.mm`` rate measured in the same run. Peak memory is
-the most allocated during one step above what was allocated before it. The router alone (after
-the logits GEMM): ``moekit.ops.route`` forward + backward against the torch composition, eager
-and in a CUDA graph, with the host floor of a kernel-less autograd op of the same signature;
-its eager speed-up is the median over 5 rounds of the ratio within a round.
-
-With ``--autocast``: the same layer with fp32 parameters and an fp32 input under
-``torch.autocast(bfloat16)`` (the usual mixed-precision recipe), forward + backward, against
-the bf16 layer and the torch-native MoE with the same per-call weight casts. The cast floor is
-the least extra traffic of fp32 parameters at the device copy rate measured in the same run:
-the forward's cast (fp32 read, bf16 written) plus the fp32 weight gradients' extra two bytes
-per parameter over bf16 ones.
-
-With ``--ep N`` (under torchrun, one process per GPU): the Qwen3-30B-A3B and DeepSeek-V3 layers
-(E = 128 and 256, split over the N ranks, T tokens per rank): moekit dropless (the symmetric
-exchange where it runs), with ``capacity_factor``, and with the all-to-all exchange, against the
-torch-native layer with ``all_to_all_single``; tokens/s per GPU (the slowest rank's time, a
-fixed number of calls on every rank), peak memory, the exchange alone (dispatch + combine
-forward on the layer's routing, timed from a CUDA graph: GB/s per GPU of the bytes read from
-peers) against the GPU1→GPU0 copy-engine rate, and the exchange's share of the step. Run it
-with ``--ep 1`` on one GPU of the same machine for the scaling efficiency (``--ep-baseline``
-takes that JSON); ``benchmarks/run_moe_ep.sh`` runs the checks and every EP size.
-
-Writes moe_layer.json (moe_layer_ep<N>.json) and a PNG under --out.
+One GPU, Qwen3-30B-A3B / OLMoE / DeepSeek-V3 (one EP8 rank) / Mixtral sizes, bf16, skewed
+routing, aux loss on. Contenders: moekit (also recomputing the activation), torch
+(torch_moe.py), loop (not with --quick): do_bench median, best of interleaved rounds, and a CUDA
+graph of 5 calls. Ceiling: 18·T·k·H·F FLOPs at this run's dense torch.mm rate. The router alone
+against the torch composition and a kernel-less autograd floor. --autocast: fp32 parameters
+under bf16 autocast against the bf16 layer, the torch MoE with the same casts and the casts'
+byte floor. --ep N: tokens/s per GPU (slowest rank, fixed call counts) of moekit's modes
+against torch with all_to_all_single, the exchange alone (GB/s against the GPU1→GPU0 copy
+rate) and --ep-baseline scaling (run_moe_ep.sh). Writes moe_layer.json (moe_layer_ep<N>.json).
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import math
 import os
-import statistics
 import sys
 
+import common as bc
 import torch
-from common import (
-    DensePeak,
-    bench_ms,
-    copy_gb_per_s,
-    error_line,
-    fixed_count_ms,
-    graph_us,
-    host_ms,
-    interleaved_rounds,
-    pyplot,
-    save_figure,
-    write_json,
-)
 from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
@@ -99,10 +54,6 @@ AUX_LOSS_COEFF = 1e-2
 CAPACITY_FACTOR = 1.25
 
 
-def log(*args) -> None:
-    print(*args, flush=True)
-
-
 def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None,
                ep_config=None):  # fmt: skip
     """The layer (all E experts, or this rank's share), its input and output gradient. The
@@ -126,15 +77,12 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
             p.mul_(p.shape[-1] ** -0.5)
         if layer.router.expert_bias is not None:
             layer.router.expert_bias.copy_(0.01 * torch.randn(E, generator=gen))
-        rank_gen = torch.Generator(device="cpu").manual_seed(seed + 1000 * (_rank() + 1))
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank_gen = torch.Generator(device="cpu").manual_seed(seed + 1000 * (rank + 1))
         x = torch.randn(T, H, generator=rank_gen) + 2.0 * u
         dy = torch.randn(T, H, generator=rank_gen) * T**-0.5
     x = x.to(device, dtype).requires_grad_()
     return layer, x, dy.to(device, dtype)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def route_opts(layer: MoELayer) -> dict:
@@ -212,17 +160,6 @@ def router_steps(T, E, k, opts, device, dtype) -> dict:
     return {"moekit": moekit, "torch": torch_composition, "floor": floor}
 
 
-def peak_mib(step, cuda: bool) -> float:
-    if not cuda:
-        return math.nan
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return (torch.cuda.max_memory_allocated() - base) / 2**20
-
-
 def routing_stats(layer: MoELayer, x: torch.Tensor) -> dict:
     with torch.no_grad():
         counts = layer.router(x.detach()).counts.float()
@@ -236,51 +173,45 @@ def routing_stats(layer: MoELayer, x: torch.Tensor) -> dict:
 
 def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     T, E, k, H, Fd, opts, target = spec
-    res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts)}
-    time_fn = (lambda f: bench_ms(f, warmup=10, rep=60 if args.quick else 150)) if cuda else host_ms
+    res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts),
+           "target": target}  # fmt: skip
+    ms = bc.eager_timer(cuda, warmup=10, rep=60 if args.quick else 150)
+    rounds = 1 if args.quick else 3
     layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
     res.update(routing_stats(layer, x))
     fns = steps(layer, x, dy, with_loop=not args.quick)
     for fn in fns.values():
         fn()  # compile, tune, warm the allocator
-    best, _ = interleaved_rounds(fns, 1 if args.quick else 3, time_fn, on_error=_report(res))
-    for c, ms in best.items():
-        res[f"{c}_ms"] = ms
-        res[f"{c}_peak_mib"] = peak_mib(fns[c], cuda) if c != "loop" else math.nan
+    bc.measure(fns, {"ms": ms}, rounds, res)
+    for c in fns:
+        res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], cuda) if c != "loop" else math.nan
     if cuda:
-        for c in ("moekit", "torch"):
-            try:
-                res[f"{c}_graph_ms"] = graph_us(fns[c], calls=5) / 1e3
-            except Exception as exc:
-                res[f"{c}_graph_ms"] = math.nan
-                res[f"{c}_graph_error"] = error_line(exc)
+        bc.measure({c: fns[c] for c in ("moekit", "torch")}, {"graph_ms": _graph5}, 1, res)
     flops = 18 * T * k * H * Fd
-    res["expert_tflop"] = flops / 1e12
     res["moekit_tflops"] = flops / res["moekit_ms"] / 1e9
     res["floor_ms"] = flops / peak_tflops / 1e9 if cuda else math.nan
-    res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
-    res["speedup_vs_loop"] = res.get("loop_ms", math.nan) / res["moekit_ms"]
-    res["target"] = target
+    bc.ratios(
+        res, "ms", {"speedup_vs_torch": ("torch", "moekit"), "speedup_vs_loop": ("loop", "moekit")}
+    )
     del layer, x, dy, fns
     rf = router_steps(T, E, k, opts, device, args.dtype)
     for fn in rf.values():
         fn()
     # Host-bound calls: their time moves with the host from round to round, so the speed-up is
     # the median of the ratios taken within a round (both timed back to back), over 5 rounds.
-    rbest, rounds = interleaved_rounds(
-        rf, 1 if args.quick else ROUTER_ROUNDS, time_fn, on_error=_report(res)
-    )
-    res["router_floor_us"] = rbest["floor"] * 1e3
-    for c in ("moekit", "torch"):
-        res[f"router_{c}_us"] = rbest[c] * 1e3
-        res[f"router_{c}_graph_us"] = graph_us(rf[c]) if cuda else math.nan
-    ratios = [t / m for t, m in zip(rounds["torch"], rounds["moekit"])]
-    res["router_speedup_rounds"] = ratios
-    res["router_speedup"] = statistics.median(ratios) if ratios else math.nan
-    res["router_graph_speedup"] = res["router_torch_graph_us"] / res["router_moekit_graph_us"]
+    rr = bc.measure(rf, {"us": lambda f: ms(f) * 1e3}, 1 if args.quick else ROUTER_ROUNDS)
+    if cuda:
+        bc.measure({c: rf[c] for c in ("moekit", "torch")}, {"graph_us": bc.graph_us}, 1, rr)
+    bc.ratios(rr, "us", {"speedup": ("torch", "moekit")})
+    bc.ratios(rr, "graph_us", {"graph_speedup": ("torch", "moekit")})
+    res.update({f"router_{k_}": v for k_, v in rr.items()})
     if args.autocast:
-        res.update(autocast_figures(spec, args, cuda, device, time_fn))
+        res.update(autocast_figures(spec, args, cuda, device, ms))
     return res
+
+
+def _graph5(fn) -> float:
+    return bc.graph_us(fn, calls=5) / 1e3
 
 
 def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
@@ -294,18 +225,15 @@ def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
     xb, dyb = x.detach().to(low).requires_grad_(), dy.to(low)
     params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
     ins, kopts = [x, *params], route_opts(layer)
-    fdev = device.split(":")[0]
 
     def moekit_autocast():
-        with torch.autocast(fdev, dtype=low):
+        with torch.autocast(device.split(":")[0], dtype=low):
             y = layer(x)
         return torch.autograd.grad(y, ins, dy)
 
     def torch_autocast():
         cast = [p.to(low) for p in params]
-        y, aux = torch_moe(
-            x.to(low), *cast, k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts
-        )  # fmt: skip
+        y, aux = torch_moe(x.to(low), *cast, k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts)
         return torch.autograd.grad([y.float(), aux], ins, [dy, torch.ones_like(aux)])
 
     def moekit_bf16():
@@ -315,132 +243,13 @@ def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
            "moekit_bf16": moekit_bf16}  # fmt: skip
     for fn in fns.values():
         fn()
-    res: dict = {}
-    best, _ = interleaved_rounds(fns, 1 if args.quick else 3, time_fn, on_error=_report(res))
-    for c, ms in best.items():
-        res[f"{c}_ms"] = ms
-    res["autocast_speedup_vs_torch"] = best["torch_autocast"] / best["moekit_autocast"]
-    res["autocast_overhead_ms"] = best["moekit_autocast"] - best["moekit_bf16"]
-    n_params = sum(p.numel() for p in params)
-    res["autocast_cast_bytes"] = n_params * (4 + 2 + 2)
-    if cuda:
-        res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / (copy_gb_per_s(device) * 1e6)
-    else:
-        res["autocast_cast_floor_ms"] = math.nan
-    return res
-
-
-def _report(res):
-    def on_error(name, exc):
-        log(f"    {name} FAILED: {error_line(exc)}")
-        res[f"{name}_error"] = error_line(exc)
-
-    return on_error
-
-
-def table(rows) -> list[str]:
-    head = (
-        f"{'shape':<17}{'moekit ms':>10}{'torch ms':>10}{'loop ms':>9}{'× torch':>8}"
-        f"{'target':>7}{'TFLOP/s':>8}{'floor ms':>9}{'graph m/t':>13}{'peak MiB m/t':>15}"
-        f"{'router µs m/t/floor':>20}{'×':>6}{'graph ×':>8}{'recomp MiB':>11}{'load':>6}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        tgt = f"{r['target']:.2f}" if r.get("target") else "-"
-        graph = f"{r.get('moekit_graph_ms', math.nan):.2f}/{r.get('torch_graph_ms', math.nan):.2f}"
-        peak = f"{r['moekit_peak_mib']:.0f}/{r['torch_peak_mib']:.0f}"
-        router = (
-            f"{r['router_moekit_us']:.0f}/{r['router_torch_us']:.0f}/{r['router_floor_us']:.0f}"
-        )
-        lines.append(
-            f"{r['shape']:<17}{r['moekit_ms']:>10.3f}{r['torch_ms']:>10.3f}"
-            f"{r.get('loop_ms', math.nan):>9.2f}{r['speedup_vs_torch']:>8.2f}{tgt:>7}"
-            f"{r['moekit_tflops']:>8.0f}{r['floor_ms']:>9.3f}{graph:>13}{peak:>15}"
-            f"{router:>20}{r['router_speedup']:>6.2f}{r['router_graph_speedup']:>8.2f}"
-            f"{r.get('moekit_recompute_peak_mib', math.nan):>11.0f}{r['max_over_mean_load']:>6.1f}"
-        )
-    return lines
-
-
-def autocast_table(rows) -> list[str]:
-    head = (
-        f"{'autocast (fp32 params)':<24}{'moekit ms':>10}{'torch ms':>10}{'× torch':>8}"
-        f"{'bf16 ms':>9}{'overhead ms':>12}{'cast floor ms':>14}"
-    )
-    lines = ["", head, "-" * len(head)]
-    for r in rows:
-        lines.append(
-            f"{r['shape']:<24}{r['moekit_autocast_ms']:>10.3f}{r['torch_autocast_ms']:>10.3f}"
-            f"{r['autocast_speedup_vs_torch']:>8.2f}{r['moekit_bf16_ms']:>9.3f}"
-            f"{r['autocast_overhead_ms']:>12.3f}{r['autocast_cast_floor_ms']:>14.3f}"
-        )
-    return lines
-
-
-def verdict(rows) -> dict:
-    ok, fail = [], []
-    for r in rows:
-        checks = []
-        if r.get("target"):
-            checks.append(
-                (
-                    r["speedup_vs_torch"] >= r["target"],
-                    f"{r['shape']}: {r['speedup_vs_torch']:.2f}× torch (target ≥ {r['target']})",
-                )
-            )
-        checks.append(
-            (
-                r["router_speedup"] >= ROUTER_TARGET,
-                f"{r['shape']}: router {r['router_speedup']:.2f}× torch (target ≥ {ROUTER_TARGET})",
-            )
-        )
-        checks.append(
-            (
-                r["moekit_peak_mib"] <= r["torch_peak_mib"],
-                f"{r['shape']}: peak "
-                f"{r['moekit_peak_mib']:.0f} MiB vs torch {r['torch_peak_mib']:.0f}",
-            )
-        )
-        if r["shape"] == "qwen3_30b_a3b":
-            checks.append(
-                (
-                    r["moekit_tflops"] >= QWEN3_TFLOPS_TARGET,
-                    f"qwen3: {r['moekit_tflops']:.0f} TFLOP/s (target ≥ {QWEN3_TFLOPS_TARGET})",
-                )
-            )
-        for good, text in checks:
-            (ok if good else fail).append(text)
-    return {"pass": ok, "fail": fail}  # fmt: skip
-
-
-def plot(rows, path) -> None:
-    try:
-        plt = pyplot()
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(8, 4))
-    names = [r["shape"] for r in rows]
-    xs = range(len(rows))
-    bars = [("MoELayer", "speedup_vs_torch"), ("router alone", "router_speedup")]
-    if all("autocast_speedup_vs_torch" in r for r in rows):
-        bars.append(("MoELayer, fp32 params under autocast", "autocast_speedup_vs_torch"))
-    width = 0.8 / len(bars)
-    for j, (label, key) in enumerate(bars):
-        at = [i - 0.4 + (j + 0.5) * width for i in xs]
-        ax.bar(at, [r[key] for r in rows], width, label=label)
-    for i, r in enumerate(rows):
-        if r.get("target"):
-            ax.plot([i - 0.4, i - 0.4 + width], [r["target"]] * 2, "k--", lw=1)
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xticks(list(xs), names, rotation=15)
-    ax.set_ylabel("speed-up over torch-native (fwd+bwd)")
-    ax.legend(loc="lower center", fontsize=8)
-    save_figure(fig, path)
-
-
-# ------------------------------------------------------------------------------------------------
-# Expert parallelism
-# ------------------------------------------------------------------------------------------------
+    res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3)
+    res["autocast_speedup_vs_torch"] = res["torch_autocast_ms"] / res["moekit_autocast_ms"]
+    res["autocast_overhead_ms"] = res["moekit_autocast_ms"] - res["moekit_bf16_ms"]
+    res["autocast_cast_bytes"] = sum(p.numel() for p in params) * (4 + 2 + 2)
+    rate = bc.copy_gb_per_s(device) if cuda else math.nan
+    res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / (rate * 1e6)
+    return {k_: v for k_, v in res.items() if not k_.endswith("_rounds")}
 
 
 EP_CALLS = 20  # timed calls per contender and round: a fixed count on every rank
@@ -455,7 +264,7 @@ def run_ep_shape(name, spec, args, device) -> dict:
     W = dist.get_world_size()
     group = dist.group.WORLD if W > 1 else None
     res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
-    time_fn = lambda f: _max_over_ranks(fixed_count_ms(f, warmup=3, calls=EP_CALLS))
+    time_fn = lambda f: _over_ranks(bc.fixed_count_ms(f, warmup=3, calls=EP_CALLS))
     fns, layers = {}, {}
     modes = [("moekit", None, "auto", None), ("moekit_capacity", CAPACITY_FACTOR, "auto", None)]
     if W > 1:  # and the overlapped chunk counts asked for
@@ -483,11 +292,10 @@ def run_ep_shape(name, spec, args, device) -> dict:
         fn()
     if group is not None:
         res["backend"] = layers["moekit"][0].ep.last_exchanges[0].backend
-    best, _ = interleaved_rounds(fns, 2, time_fn, on_error=_report(res))
-    for c, ms in best.items():
-        res[f"{c}_ms"] = ms
-        res[f"{c}_tokens_per_s"] = T / ms * 1e3
-        res[f"{c}_peak_mib"] = peak_mib(fns[c], True)
+    bc.measure(fns, {"ms": time_fn}, 2, res)
+    for c in fns:
+        res[f"{c}_tokens_per_s"] = T / res[f"{c}_ms"] * 1e3
+        res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], True)
     res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
     if group is not None:
         res.update(_exchange_figures(*layers["moekit"], group))
@@ -513,41 +321,29 @@ def _exchange_figures(layer, x, group) -> dict:
 
     with torch.no_grad():
         r = layer.router(x.detach())
-    ep = layer.ep
-    xs = x.detach()
 
     def exchange():
-        ex = ExpertExchange(r.indices, layer.num_experts, group, ep.max_tokens, "auto")
-        rows, _, _ = ex.dispatch(xs, r.probs)
+        ex = ExpertExchange(r.indices, layer.num_experts, group, layer.ep.max_tokens, "auto")
+        rows, _, _ = ex.dispatch(x.detach(), r.probs)
         return ex.combine(rows), ex
 
     _, ex = exchange()
-    ms = _max_over_ranks(fixed_count_ms(lambda: exchange(), warmup=3, calls=EP_CALLS))
-    # the GPU's own time: the exchange alone is a chain of small launches that the host cannot
-    # issue as fast as the GPU runs them (inside a layer step the host runs ahead)
-    graph_ms = math.nan
-    if ex.backend == "symmetric":
-        graph_ms = _max_over_ranks(graph_us(lambda: exchange()[0], 5, fixed_count=True) / 1e3)
-    rank, W = dist.get_rank(), dist.get_world_size()
-    if ex.backend == "symmetric":
+    ms = _over_ranks(bc.fixed_count_ms(lambda: exchange(), warmup=3, calls=EP_CALLS))
+    rank, W, gpu_ms = dist.get_rank(), dist.get_world_size(), ms
+    if ex.backend == "symmetric":  # the GPU's own time: alone, its small launches are host-bound
+        gpu_ms = _over_ranks(bc.graph_us(lambda: exchange()[0], 5, fixed_count=True) / 1e3)
         table = ex.table.long()
     else:  # the counts, all-gathered
         table = torch.empty(W, W, dtype=torch.long, device=x.device)
         dist.all_gather_into_tensor(table, ex.routes.sends.long(), group=group)
-    remote_in = int(table[:, rank].sum() - table[rank, rank])
-    remote_out = int(table[rank].sum() - table[rank, rank])
-    nbytes = (remote_in + remote_out) * x.shape[1] * x.element_size()
-    mean_bytes = _mean_over_ranks(float(nbytes))
-    gpu_ms = graph_ms if graph_ms == graph_ms else ms
-    return {
-        "exchange_fwd_eager_ms": ms,
-        "exchange_fwd_ms": gpu_ms,
-        "exchange_step_ms": 2 * gpu_ms,  # forward and backward move the same bytes
-        "exchange_gb_per_s": mean_bytes / gpu_ms / 1e6,
-        "exchange_eager_gb_per_s": mean_bytes / ms / 1e6,
-        # ranks a token goes to, on average over every rank's tokens
-        "ranks_per_token": float(table.sum()) / _sum_over_ranks(float(x.shape[0])),
-    }
+    remote = table[:, rank].sum() + table[rank].sum() - 2 * table[rank, rank]  # rows in + out
+    mean_bytes = _over_ranks(float(remote) * x.shape[1] * x.element_size(), "AVG")
+    tokens = _over_ranks(float(x.shape[0]), "SUM")  # ranks_per_token: over every rank's tokens
+    return {"exchange_fwd_eager_ms": ms, "exchange_fwd_ms": gpu_ms,
+            "exchange_step_ms": 2 * gpu_ms,  # forward and backward move the same bytes
+            "exchange_gb_per_s": mean_bytes / gpu_ms / 1e6,
+            "exchange_eager_gb_per_s": mean_bytes / ms / 1e6,
+            "ranks_per_token": float(table.sum()) / tokens}  # fmt: skip
 
 
 def _exchange_share(fn) -> float:
@@ -569,54 +365,26 @@ def _exchange_share(fn) -> float:
     return ex / total if total else math.nan
 
 
-def _reduce_over_ranks(v: float, op) -> float:
+def _over_ranks(v: float, op: str = "MAX") -> float:
+    """``v`` reduced over the ranks (MAX, SUM, or AVG as SUM / world size)."""
     import torch.distributed as dist
 
     t = torch.tensor([v], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return float(t)
-
-
-def _max_over_ranks(v: float) -> float:
-    import torch.distributed as dist
-
-    return _reduce_over_ranks(v, dist.ReduceOp.MAX)
-
-
-def _sum_over_ranks(v: float) -> float:
-    import torch.distributed as dist
-
-    return _reduce_over_ranks(v, dist.ReduceOp.SUM)
-
-
-def _mean_over_ranks(v: float) -> float:
-    import torch.distributed as dist
-
-    return _sum_over_ranks(v) / dist.get_world_size()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "AVG" else getattr(dist.ReduceOp, op))
+    return float(t) / (dist.get_world_size() if op == "AVG" else 1)
 
 
 def p2p_copy_gb_per_s(nbytes: int = 1 << 30) -> float:
-    """Copy rate from GPU 1 into GPU 0 of this host (the copy engines over NVLink), GB/s of
-    bytes moved; timed on rank 0 (the others wait). The ceiling of one peer-to-peer stream."""
+    """GPU1→GPU0 copy rate of this host (copy engines over NVLink), GB/s moved, timed on rank 0
+    (median of 10 copies between CUDA events): the ceiling of one peer-to-peer stream."""
     import torch.distributed as dist
 
-    rate = math.nan
+    t = torch.tensor([math.nan], device="cuda", dtype=torch.float64)
     if dist.get_rank() == 0 and torch.cuda.device_count() > 1:
         src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:1").normal_()
         dst = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:0")
-        for _ in range(3):
-            dst.copy_(src)
-        torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(10):
-            dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize(0)
-        rate = 10 * nbytes / start.elapsed_time(end) / 1e6
-        del src, dst
-    t = torch.tensor([rate], device="cuda", dtype=torch.float64)
+        t.fill_(nbytes / bc.fixed_count_ms(lambda: dst.copy_(src), warmup=3, calls=10) / 1e6)
     dist.broadcast(t, 0)
     return float(t)
 
@@ -624,19 +392,9 @@ def p2p_copy_gb_per_s(nbytes: int = 1 << 30) -> float:
 def main_ep(args) -> None:
     import torch.distributed as dist
 
-    from moekit.distributed import disable_multicast_env
+    from moekit.distributed import init_distributed
 
-    disable_multicast_env()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    if "RANK" in os.environ:
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    else:  # --ep 1 on one GPU without torchrun
-        dist.init_process_group(
-            "nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1,
-            device_id=torch.device("cuda", 0),
-        )  # fmt: skip
-    W = dist.get_world_size()
+    W = init_distributed("nccl").world_size  # one GPU per rank; --ep 1: no torchrun needed
     if args.ep != W:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, got {W}")
     p2p = p2p_copy_gb_per_s() if W > 1 else math.nan
@@ -644,109 +402,78 @@ def main_ep(args) -> None:
     for name, spec in EP_SHAPES.items():
         if args.shapes and name not in args.shapes:
             continue
-        r = run_ep_shape(name, spec, args, "cuda")
-        r["p2p_copy_gb_per_s"] = p2p
-        rows.append(r)
+        rows.append({**run_ep_shape(name, spec, args, "cuda"), "p2p_copy_gb_per_s": p2p})
         if dist.get_rank() == 0:
-            log(json.dumps(r))
+            bc.log(json.dumps(rows[-1]))
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        base = {}
-        if args.ep_baseline:
-            with open(args.ep_baseline) as f:
-                base = {r["shape"]: r for r in json.load(f)["rows"]}
-        for r in rows:
-            b = base.get(r["shape"])
-            for c in ("moekit", "moekit_capacity"):
-                r[f"{c}_scaling"] = r[f"{c}_tokens_per_s"] / b["moekit_tokens_per_s"] if b \
-                    else math.nan  # fmt: skip
-        log("\n".join(ep_table(rows, W, p2p)))
+        scaling(rows, args.ep_baseline)
+        bc.log(f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}; "
+               f"GPU1→GPU0 copy {p2p:.0f} GB/s")  # fmt: skip
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": W,
                 "p2p_copy_gb_per_s": p2p}  # fmt: skip
-        write_json(os.path.join(args.out, f"moe_layer_ep{W}.json"), {"meta": meta, "rows": rows},
-                   nan_as_null=True)  # fmt: skip
+        bc.finish(args.out, f"moe_layer_ep{W}", {"meta": meta, "rows": rows}, EP_COLUMNS)
     dist.destroy_process_group()
 
 
-def ep_table(rows, W: int, p2p: float) -> list[str]:
-    lines = [f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}; "
-             f"GPU1→GPU0 copy {p2p:.0f} GB/s"]  # fmt: skip
-    head = (f"{'shape':<15}{'moekit':>10}{'capacity':>10}{'a2a':>10}{'torch':>10}{'×torch':>8}"
-            f"{'scaling':>8}{'cap sc.':>8}{'xchg GB/s':>10}{'% p2p':>7}{'xchg share':>11}"
-            f"{'peak MiB':>9}")  # fmt: skip
-    lines.append(head)
+def scaling(rows: list[dict], baseline: str | None) -> None:
+    """tokens/s per GPU over the EP 1 run's (its JSON rows' ``moekit_tokens_per_s``)."""
+    base = {}
+    if baseline:
+        with open(baseline) as f:
+            base = {r["shape"]: r for r in json.load(f)["rows"]}
     for r in rows:
-        gb = r.get("exchange_gb_per_s", math.nan)
-        lines.append(
-            f"{r['shape']:<15}{r['moekit_tokens_per_s']:>10.0f}"
-            f"{r['moekit_capacity_tokens_per_s']:>10.0f}"
-            f"{r.get('moekit_all_to_all_tokens_per_s', math.nan):>10.0f}"
-            f"{r['torch_tokens_per_s']:>10.0f}{r['speedup_vs_torch']:>8.2f}"
-            f"{r.get('moekit_scaling', math.nan):>8.2f}"
-            f"{r.get('moekit_capacity_scaling', math.nan):>8.2f}{gb:>10.0f}"
-            f"{100 * gb / p2p if p2p == p2p else math.nan:>7.0f}"
-            f"{r.get('exchange_share', math.nan):>11.2f}{r['moekit_peak_mib']:>9.0f}"
-        )
-        for key in sorted(k for k in r if k.endswith("_exposed_share")):
-            c = key.removeprefix("chunks").removesuffix("_exposed_share")
-            lines.append(
-                f"  {c} overlapped chunks: {r[f'moekit_chunks{c}_tokens_per_s']:.0f} tok/s per GPU"
-                f" ({r[f'moekit_chunks{c}_ms'] / r['moekit_ms']:.2f}× one chunk's time), "
-                f"exchange exposed {r[key]:.2f}"
-            )
-    return lines
+        b = base.get(r["shape"])
+        for c in ("moekit", "moekit_capacity"):
+            r[f"{c}_scaling"] = r[f"{c}_tokens_per_s"] / b["moekit_tokens_per_s"] if b else math.nan
 
 
-# ------------------------------------------------------------------------------------------------
+EP_COLUMNS = [
+    "shape", ("moekit", "moekit_tokens_per_s"), ("capacity", "moekit_capacity_tokens_per_s"),
+    ("a2a", "moekit_all_to_all_tokens_per_s"), ("torch", "torch_tokens_per_s"),
+    ("×torch", "speedup_vs_torch"), ("scaling", "moekit_scaling"),
+    ("cap sc.", "moekit_capacity_scaling"), ("xchg GB/s", "exchange_gb_per_s"),
+    ("p2p GB/s", "p2p_copy_gb_per_s"), ("xchg share", "exchange_share"),
+    ("peak MiB", "moekit_peak_mib"),
+]  # fmt: skip
+COLUMNS = [
+    "shape", ("load", "max_over_mean_load"), ("moekit ms", "moekit_ms"), ("torch ms", "torch_ms"),
+    ("loop ms", "loop_ms"), ("× torch", "speedup_vs_torch"), "target",
+    ("TFLOP/s", "moekit_tflops"), ("floor ms", "floor_ms"), ("graph m", "moekit_graph_ms"),
+    ("graph t", "torch_graph_ms"), ("MiB m", "moekit_peak_mib"), ("MiB t", "torch_peak_mib"),
+    ("MiB recomp", "moekit_recompute_peak_mib"), ("router µs m", "router_moekit_us"),
+    ("t", "router_torch_us"), ("floor", "router_floor_us"), ("×", "router_speedup"),
+    ("graph ×", "router_graph_speedup"), ("autocast ×", "autocast_speedup_vs_torch"),
+    ("autocast overhead ms", "autocast_overhead_ms"), ("cast floor ms", "autocast_cast_floor_ms"),
+]  # fmt: skip
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="bench_out")
-    ap.add_argument("--quick", action="store_true", help="one round, no per-expert loop")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes; runs on CPU too")
+    ap = bc.parser(__doc__, quick="one round, no per-expert loop")
     ap.add_argument("--shapes", nargs="*", default=None)
-    ap.add_argument("--autocast", action="store_true",
-                    help="also fp32 parameters under bf16 autocast")  # fmt: skip
+    ap.add_argument("--autocast", action="store_true", help="also fp32 params under autocast")
     ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
     ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
     ap.add_argument("--ep-chunks", type=int, nargs="*", default=[],
                     help="also time the layer in these many overlapped chunks")  # fmt: skip
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available() and not args.smoke
     args.dtype = torch.bfloat16 if cuda else torch.float32
     if args.ep is not None:
         return main_ep(args)
     device = "cuda" if cuda else "cpu"
+    peak_tflops = bc.DensePeak().tflops() if cuda else math.nan
+    bc.log(f"dense torch.mm peak: {peak_tflops:.0f} TFLOP/s")
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    peak = DensePeak() if cuda else None
-    peak_tflops = peak.tflops() if cuda else math.nan
-    log(f"dense torch.mm peak: {peak_tflops:.0f} TFLOP/s")
-    rows = []
-    for name, spec in shapes.items():
-        if args.shapes and name not in args.shapes:
-            continue
-        log(f"{name} ...")
-        rows.append(run_shape(name, spec, args, cuda, device, peak_tflops))
-        if cuda:
-            torch.cuda.empty_cache()
-    lines = table(rows)
-    if args.autocast:
-        lines += autocast_table(rows)
-    v = verdict(rows) if cuda else {"pass": [], "fail": [], "note": "no targets off the GPU"}
-    meta = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "torch": torch.__version__, "dtype": str(args.dtype), "dense_tflops": peak_tflops,
-        "aux_loss_coeff": AUX_LOSS_COEFF,
-    }  # fmt: skip
-    write_json(os.path.join(args.out, "moe_layer.json"), {"meta": meta, "rows": rows,
-               "verdict": v}, nan_as_null=True)  # fmt: skip
-    plot(rows, os.path.join(args.out, "moe_layer.png"))
-    log("\n".join(lines))
-    for text in v["fail"]:
-        log(f"MISSED {text}")
-    log(f"targets met: {len(v['pass'])}/{len(v['pass']) + len(v['fail'])}")
+    cases = [(n, lambda n=n, s=s: run_shape(n, s, args, cuda, device, peak_tflops))
+             for n, s in shapes.items() if not args.shapes or n in args.shapes]  # fmt: skip
+    rows, _, failed = bc.run_cases(cases)
+    meta = {"device": bc.device_name(cuda), "torch": torch.__version__, "dtype": str(args.dtype),
+            "dense_tflops": peak_tflops, "aux_loss_coeff": AUX_LOSS_COEFF, "failed": failed}  # fmt: skip
+    series = {"MoELayer": "speedup_vs_torch", "router alone": "router_speedup",
+              "MoELayer, fp32 params under autocast": "autocast_speedup_vs_torch"}  # fmt: skip
+    panel = bc.bars(rows, series, "speed-up over torch-native (fwd+bwd)", hlines={"parity": 1.0})
+    bc.finish(args.out, "moe_layer", {"meta": meta, "rows": rows}, COLUMNS, [panel])
 
 
 if __name__ == "__main__":

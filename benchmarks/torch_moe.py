@@ -6,8 +6,7 @@ normalise; dispatch: ``argsort`` of the expert ids + ``index_select``; experts:
 ``torch._grouped_mm`` fc1 → SwiGLU scaled by the probs → ``torch._grouped_mm`` fc2; combine:
 ``index_add_``. Counts come from an ``index_add_`` (``torch.bincount`` would read the largest id
 back to the host). On CPU, and for dtypes other than bf16, the grouped GEMMs become a
-per-expert loop. The expert-parallel form
-exchanges rows with ``all_to_all_single`` (host split sizes) and regroups them by local expert
+per-expert loop. The expert-parallel form exchanges rows with ``all_to_all_single`` (host split sizes) and regroups them by local expert
 with a second argsort.
 """
 
@@ -16,18 +15,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-__all__ = [
-    "loop_moe",
-    "torch_ep_moe",
-    "torch_grouped_swiglu",
-    "torch_moe",
-    "torch_moe_block",
-    "torch_permute",
-    "torch_topk_routing",
-    "torch_unpermute",
-    "with_loss",
-]
 
 
 def torch_topk_routing(

@@ -2,6 +2,7 @@
 
 from moekit import fusion, nn, ops
 from moekit.activations import Activation
+from moekit.runtime.state import clear as clear_state
 from moekit.version import VERSION as __version__
 
-__all__ = ["Activation", "__version__", "fusion", "nn", "ops"]
+__all__ = ["Activation", "__version__", "clear_state", "fusion", "nn", "ops"]

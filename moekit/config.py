@@ -15,6 +15,7 @@ __all__ = [
     "autotune_enabled",
     "cache_dir",
     "check_interpret_unchanged",
+    "debug_checks",
     "fusion_spec",
     "interpret_mode",
     "lamport_slot_bytes",
@@ -56,6 +57,15 @@ def autotune_enabled() -> bool:
     """``MOEKIT_AUTOTUNE=1`` turns autotuning on; otherwise the shape-based default configs
     are used (no first-call timing of candidates)."""
     return os.environ.get("MOEKIT_AUTOTUNE", "0") == "1"
+
+
+def debug_checks() -> bool:
+    """``MOEKIT_DEBUG=1`` turns on every op's opt-in input checks, as if each call passed
+    ``validate=True``: offsets in order and in range, expert ids in range. On CUDA tensors they
+    run on the device (``torch._assert_async``: no host sync; a failure surfaces as a
+    device-side assert at the next synchronisation). Read at each call (under
+    ``torch.compile``, when the graph is traced)."""
+    return os.environ.get("MOEKIT_DEBUG", "0") == "1"
 
 
 def cache_dir() -> str:

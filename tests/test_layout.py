@@ -2,8 +2,12 @@
 
 * Layers: each package imports only packages of its own or a lower layer.
 * No underscored name (function, class, constant or module) is imported across modules.
-* No library function is longer than ~80 lines, except Triton kernels.
+* No library function body is longer than 60 lines (docstring aside), except Triton kernels;
+  none takes more than 12 positional parameters.
 * Every environment variable is read in moekit/config.py.
+* State that outlives a call lives in moekit/runtime/state.py: no other module binds a
+  module-level name to an empty container, nor a lowercase name to any new container (tables
+  in CAPITALS are constants).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ LAYERS = {
     "fusion": 7,
     "integrations": 7,
 }
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
+MAX_POSITIONAL = 12
 
 
 def _modules():
@@ -102,6 +107,54 @@ def test_no_long_functions(path):
         and _body_lines(fn) > MAX_FUNCTION_LINES
     ]
     assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_long_parameter_lists(path):
+    many = []
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef) and not _is_triton_kernel(fn):
+            args = [*fn.args.posonlyargs, *fn.args.args]
+            n = len(args) - (bool(args) and args[0].arg in ("self", "cls", "ctx"))
+            if n > MAX_POSITIONAL:
+                many.append(f"{fn.name} ({n})")
+    assert not many, f"more than {MAX_POSITIONAL} positional parameters (group them): {many}"
+
+
+_CONTAINERS = ("dict", "list", "set", "OrderedDict", "defaultdict", "WeakValueDictionary",
+               "WeakKeyDictionary", "count")  # fmt: skip
+
+
+def _empty_container(value: ast.AST) -> bool:
+    if isinstance(value, ast.Dict | ast.List | ast.Set):
+        return not (value.keys if isinstance(value, ast.Dict) else value.elts)
+    return isinstance(value, ast.Call) and not value.args and _new_container(value)
+
+
+def _new_container(value: ast.AST) -> bool:
+    if isinstance(value, ast.Dict | ast.List | ast.Set | ast.DictComp | ast.ListComp):
+        return True
+    if isinstance(value, ast.Call):
+        f = value.func
+        name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+        return name in _CONTAINERS
+    return False
+
+
+def test_state_lives_in_one_place():
+    stores = []
+    for path in _modules():
+        if path.relative_to(PACKAGE).as_posix() == "runtime/state.py":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign) or node.value is None:
+                continue
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names = [t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__"]
+            lower = any(not n.isupper() for n in names)
+            if names and (_empty_container(node.value) or (lower and _new_container(node.value))):
+                stores.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {names}")
+    assert not stores, f"module-level state outside runtime/state.py: {stores}"
 
 
 def test_environment_read_only_in_config():

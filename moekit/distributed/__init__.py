@@ -1,7 +1,9 @@
 """Process-group helpers and the generic symmetric-memory pool.
 
-Importing this package sets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
-``NVSHMEM_DISABLE_NVLS=1`` where unset (moekit never uses NVLink multicast).
+:func:`init_distributed` and the first :class:`SymmetricPool` set ``NCCL_NVLS_ENABLE=0``,
+``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and ``NVSHMEM_DISABLE_NVLS=1`` where unset (moekit never
+uses NVLink multicast); a process that creates its groups itself calls
+:func:`disable_multicast_env` first where it wants the same. Importing sets nothing.
 """
 
 from moekit.distributed.env import (
@@ -18,8 +20,6 @@ from moekit.distributed.symmetric_pool import (
     get_pool,
     set_pool,
 )
-
-disable_multicast_env()
 
 __all__ = [
     "DEFAULT_POOL_BYTES",

@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from moekit.config import symm_pool_bytes
 from moekit.distributed.env import disable_multicast_env
+from moekit.runtime.state import STATE
 
 # Room for the all-reduce's workspace at the token counts of a training step: its flags, two
 # halves for one_shot / two_shot and its Lamport slots (docs/allreduce_rmsnorm.md).
@@ -168,16 +169,15 @@ class SymmetricPool:
         return f"SymmetricPool({where}, nbytes={self.nbytes}, {state})"
 
 
-# pools by (group, use): the all-reduce's ("default") and the expert exchange's are apart
-_POOLS: dict[tuple[str, str], SymmetricPool] = {}
-# Bumped whenever the pool of some group changes, so that users key what they derive from a
-# pool (its addresses, their workspace layout) on it.
-_generation = 0
+# The pools live in moekit.runtime.state.STATE, by (group, use): the all-reduce's ("default")
+# and the expert exchange's are apart. STATE.pool_generation is bumped whenever the pool of
+# some group changes, so that users key what they derive from a pool (its addresses, their
+# workspace layout) on it.
 
 
 def pool_generation() -> int:
     """A counter that changes whenever :func:`get_pool` may return a different pool."""
-    return _generation
+    return STATE.pool_generation
 
 
 def get_pool(
@@ -191,19 +191,18 @@ def get_pool(
     ``min_bytes``, so that all replace it together."""
     group = group if group is not None else dist.group.WORLD
     key = (_group_key(group), use)
-    pool = _POOLS.get(key)
+    pool = STATE.pools.get(key)
     # A process group destroyed and created again may reuse the old one's name: the pool (its
     # peers, rank and size) belongs to the old group object, so it is replaced.
     if pool is None or pool.group is not group or (pool.available and pool.nbytes < min_bytes):
-        global _generation
         if use != "default":
             size = min_bytes
         else:  # the configured size (MOEKIT_SYMM_POOL_MB), or more where asked
             size = max(min_bytes, symm_pool_bytes(DEFAULT_POOL_BYTES)) if min_bytes else None
-        _POOLS.pop(key, None)  # the old buffer goes before the new one is allocated
+        STATE.pools.pop(key, None)  # the old buffer goes before the new one is allocated
         pool = SymmetricPool(group, size)
-        _POOLS[key] = pool
-        _generation += 1
+        STATE.pools[key] = pool
+        STATE.pool_generation += 1
     return pool
 
 
@@ -214,14 +213,12 @@ def set_pool(pool: SymmetricPool, *, use: str = "default") -> SymmetricPool:
     Do this before capturing CUDA graphs that use the group: captured kernels keep the old pool's
     addresses.
     """
-    global _generation
-    _POOLS[(_group_key(pool.group), use)] = pool
-    _generation += 1
+    STATE.pools[(_group_key(pool.group), use)] = pool
+    STATE.pool_generation += 1
     return pool
 
 
 def clear_pools() -> None:
     """Forget every pool (their buffers are freed once nothing else holds them)."""
-    global _generation
-    _POOLS.clear()
-    _generation += 1
+    STATE.pools.clear()
+    STATE.pool_generation += 1

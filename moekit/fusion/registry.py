@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from moekit import config
+from moekit.runtime.state import STATE, warn_once
 
 __all__ = ["Rule", "fusions", "register_fusion", "registered_rules", "unregister_fusion"]
 
@@ -40,10 +40,6 @@ class Rule:
         return len(ops) == len(self.pattern) and all(
             isinstance(op, t) for op, t in zip(ops, self.pattern)
         )
-
-
-_rules: dict[str, Rule] = {}
-_generation = [0]  # bumped by every change that can change a plan
 
 
 def register_fusion(
@@ -71,7 +67,7 @@ def register_fusion(
         raise ValueError(f"name must be a non-empty str without '+', '-' or ',', got {name!r}")
     if name == "all":
         raise ValueError("name 'all' is reserved (MOEKIT_FUSIONS=-all)")
-    if name in _rules:
+    if name in STATE.fusion_rules:
         raise ValueError(f"a fusion rule named {name!r} is already registered")
     if passes not in (PASSES, ("forward",), ("backward",)):
         raise ValueError(
@@ -85,9 +81,9 @@ def register_fusion(
     def register(fn: Callable[..., Any]) -> Callable[..., Any]:
         if not callable(fn):
             raise TypeError(f"rule must be callable, got {type(fn).__name__}")
-        order = max((r.order for r in _rules.values()), default=-1) + 1
-        _rules[name] = Rule(name, fn, pattern, priority, passes, order)
-        _generation[0] += 1
+        order = max((r.order for r in STATE.fusion_rules.values()), default=-1) + 1
+        STATE.fusion_rules[name] = Rule(name, fn, pattern, priority, passes, order)
+        STATE.fusion_generation += 1
         return fn
 
     return register if rule is None else register(rule)
@@ -95,21 +91,19 @@ def register_fusion(
 
 def unregister_fusion(name: str) -> None:
     """Remove the rule ``name``."""
-    if name not in _rules:
-        raise ValueError(f"no fusion rule named {name!r}; registered: {sorted(_rules)}")
-    del _rules[name]
-    _generation[0] += 1
+    if name not in STATE.fusion_rules:
+        raise ValueError(f"no fusion rule named {name!r}; registered: {sorted(STATE.fusion_rules)}")
+    del STATE.fusion_rules[name]
+    STATE.fusion_generation += 1
 
 
 def registered_rules(pass_: str) -> list[Rule]:
     """The rules of one pass, in the order they are tried."""
-    rules = [r for r in _rules.values() if pass_ in r.passes]
+    rules = [r for r in STATE.fusion_rules.values() if pass_ in r.passes]
     return sorted(rules, key=lambda r: (-r.priority, r.order))
 
 
 # --- which rules are on -------------------------------------------------------------------
-
-_overrides: list[tuple[frozenset[str], frozenset[str]]] = []  # (disabled, forced) per block
 
 
 def _parse(spec: str) -> tuple[set[str], set[str]]:
@@ -154,48 +148,43 @@ def fusions(
         raise ValueError("fusions(force=...) takes rule names; 'all' forces nothing")
     for n in (d | f) - {"all"}:
         _check_known(n)
-    _overrides.append((d, f))
+    STATE.fusion_overrides.append((d, f))
     try:
         yield
     finally:
-        _overrides.pop()
+        STATE.fusion_overrides.pop()
 
 
 def _check_known(name: str) -> None:
-    if name not in _rules:
-        raise ValueError(f"unknown fusion rule {name!r}; registered: {sorted(_rules)}")
+    if name not in STATE.fusion_rules:
+        raise ValueError(f"unknown fusion rule {name!r}; registered: {sorted(STATE.fusion_rules)}")
 
 
 def settings_key() -> tuple:
     """What the current rule settings depend on (part of every plan's cache key): entering
     the same :func:`fusions` block again finds the plans made in it before."""
-    return _generation[0], config.fusion_spec(), tuple(_overrides)
+    return STATE.fusion_generation, config.fusion_spec(), tuple(STATE.fusion_overrides)
 
 
 def active_settings() -> tuple[frozenset[str], frozenset[str]]:
     """(disabled, forced) rule names now; ``"all"`` in disabled turns every rule off."""
     disabled, forced = _parse(config.fusion_spec())
     for n in (disabled | forced) - {"all"}:
-        if n not in _rules:
+        if n not in STATE.fusion_rules:
             raise ValueError(
-                f"MOEKIT_FUSIONS names unknown fusion rule {n!r}; registered: {sorted(_rules)}"
+                f"MOEKIT_FUSIONS names unknown fusion rule {n!r}; registered: "
+                f"{sorted(STATE.fusion_rules)}"
             )
-    for d, f in _overrides:
+    for d, f in STATE.fusion_overrides:
         disabled |= d
         forced |= f
     return frozenset(disabled), frozenset(forced)
 
 
-_warned: set[tuple[str, str]] = set()
-
-
 def warn_forced(name: str, reason: str) -> None:
     """The one-time warning of a forced rule that declined."""
-    if (name, reason) in _warned:
-        return
-    _warned.add((name, reason))
-    warnings.warn(
+    warn_once(
+        ("fusion", name, reason),
         f"moekit.fusion: forced rule {name!r} declined ({reason}); running the unfused ops",
-        RuntimeWarning,
         stacklevel=4,
     )

@@ -25,21 +25,24 @@ from moekit.fusion.registry import settings_key
 from moekit.ops.autocast import autocast_on
 from moekit.ops.custom_op import eager_shortcut, function_apply
 from moekit.runtime.device import use_triton
+from moekit.runtime.state import STATE
 
 __all__ = ["Sequential"]
 
 _MAX_PLANS = 64
 
-# Bumped whenever any module registers a parameter (``op.weight = Parameter(...)``,
-# ``load_state_dict(assign=True)``): a Sequential then collects its parameters again.
-_param_generation = [0]
-
 
 def _on_parameter_registered(module, name, param):
-    _param_generation[0] += 1
+    STATE.param_generation += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_on_parameter_registered)
+def _watch_parameter_registrations() -> None:
+    """Count every parameter registration from now on (``op.weight = Parameter(...)``,
+    ``load_state_dict(assign=True)``): a Sequential then collects its parameters again. A
+    process-wide nn.Module hook, installed by the first Sequential, not at import."""
+    if STATE.param_hook is None:
+        register = torch.nn.modules.module.register_module_parameter_registration_hook
+        STATE.param_hook = register(_on_parameter_registered)
 
 
 class _Program:
@@ -133,10 +136,6 @@ def _registered_otherwise(slots, tensors) -> bool:
     return False
 
 
-# id(slots) -> how many _swapped contexts over those slots are open
-_STANDING_IN: dict[int, int] = {}
-
-
 @contextlib.contextmanager
 def _swapped(slots: Sequence[tuple[nn.Module, str, int]], tensors: Sequence[torch.Tensor]):
     """The ops' parameters replaced by ``tensors`` (slot ``(module, name, i)`` reads
@@ -146,16 +145,16 @@ def _swapped(slots: Sequence[tuple[nn.Module, str, int]], tensors: Sequence[torc
     for mod, name, i in slots:
         mod._parameters[name] = tensors[i]
     key = id(slots)
-    _STANDING_IN[key] = _STANDING_IN.get(key, 0) + 1
+    STATE.standing_in[key] = STATE.standing_in.get(key, 0) + 1
     try:
         yield
     finally:
         for (mod, name, _), p in zip(slots, old):
             mod._parameters[name] = p
-        if _STANDING_IN[key] == 1:
-            del _STANDING_IN[key]
+        if STATE.standing_in[key] == 1:
+            del STATE.standing_in[key]
         else:
-            _STANDING_IN[key] -= 1
+            STATE.standing_in[key] -= 1
 
 
 def _distinct(t: torch.Tensor, others) -> torch.Tensor:
@@ -285,6 +284,7 @@ class Sequential(nn.Module):
 
     def __init__(self, *ops: BasicOp | OrderedDict) -> None:
         super().__init__()
+        _watch_parameter_registrations()
         if len(ops) == 1 and isinstance(ops[0], OrderedDict):
             named = list(ops[0].items())
         else:
@@ -321,7 +321,7 @@ class Sequential(nn.Module):
             slices.append((len(params), len(params) + len(own)))
             params += own
         params, slices = tuple(params), tuple(slices)
-        self._params_generation = _param_generation[0]
+        self._params_generation = STATE.param_generation
         old = getattr(self, "_params", None)
         if old is not None and len(old) == len(params) and all(map(operator.is_, old, params)):
             return  # another module's parameter: the plans hold
@@ -347,7 +347,7 @@ class Sequential(nn.Module):
         chain's own stand-ins are swapped in: a call re-entered then (activation
         checkpointing's recompute inside the backward) must not adopt per-call casts as
         its parameters."""
-        if id(self._slots) in _STANDING_IN:
+        if id(self._slots) in STATE.standing_in:
             return False
         return _registered_otherwise(self._slots, self._params)
 
@@ -396,7 +396,7 @@ class Sequential(nn.Module):
             )  # fmt: skip
         if requires_grad is None:
             requires_grad = True
-        if self._params_generation != _param_generation[0] or self._params_replaced():
+        if self._params_generation != STATE.param_generation or self._params_replaced():
             self._refresh_params()
         if autocast_on(x.device.type):
             x, _, _, casts = self._autocast_inputs(x, (), {}, cast=_cast_like)
@@ -435,7 +435,7 @@ class Sequential(nn.Module):
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        if self._params_generation != _param_generation[0] or self._params_replaced():
+        if self._params_generation != STATE.param_generation or self._params_replaced():
             self._refresh_params()
         if autocast_on(x.device.type):
             return self._forward_under_autocast(x, args, kwargs)

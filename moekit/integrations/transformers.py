@@ -20,7 +20,6 @@ models write for a gate moekit computes (the default gate in fp32, SwiGLU with c
 
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import inspect
 import warnings
@@ -33,6 +32,7 @@ from moekit.ops.autocast import autocast_dtype
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import permute, unpermute
 from moekit.ops.router import topk_routing
+from moekit.runtime.state import STATE, memoized
 
 __all__ = [
     "ACTIVATION_TYPES",
@@ -229,8 +229,6 @@ def _code_key(fn) -> tuple | None:
 
 
 _FORM_KEYS = {_code_key(form): form for form in _GATE_FORMS}
-# experts class -> (the gate function last seen on it, that function's form; None: unknown)
-_gate_forms: dict[type, tuple[object, object]] = {}
 
 
 def _gate_form(experts: torch.nn.Module) -> object:
@@ -243,11 +241,13 @@ def _gate_form(experts: torch.nn.Module) -> object:
     gate = getattr(cls, "_apply_gate", None)
     if gate is None or gate is getattr(_MOE, "_default_apply_gate", None):
         return _default_gate
-    seen = _gate_forms.get(cls)
+    # (the gate function last seen on the class, that function's form; None: unknown)
+    seen = STATE.lookups.get(("hf_gate", cls))
     if seen is None or seen[0] is not gate:
         static = inspect.getattr_static(cls, "_apply_gate")
         plain = not isinstance(static, (staticmethod, classmethod))
-        seen = _gate_forms[cls] = (gate, _FORM_KEYS.get(_code_key(gate)) if plain else None)
+        seen = (gate, _FORM_KEYS.get(_code_key(gate)) if plain else None)
+        STATE.lookups[("hf_gate", cls)] = seen
     return seen[1]
 
 
@@ -274,13 +274,10 @@ def _gate_activation(experts: torch.nn.Module) -> tuple[object, str | None]:
         limit, alpha, offset = (float(r(experts) if callable(r) else r) for r in readers)
     except (TypeError, ValueError) as exc:
         return None, f"a clamped gate moekit cannot run ({exc})"
-    key = (limit, alpha, offset)
-    if key not in _clamped:  # a plain dict: torch.compile traces it without a warning
-        _clamped[key] = _clamped_swiglu(limit, alpha, offset)
-    return _clamped[key]
-
-
-_clamped: dict[tuple[float, float, float], tuple[object, str | None]] = {}
+    key = ("hf_clamped_swiglu", limit, alpha, offset)
+    if key not in STATE.lookups:  # a plain dict: torch.compile traces it without a warning
+        STATE.lookups[key] = _clamped_swiglu(limit, alpha, offset)
+    return STATE.lookups[key]
 
 
 def _clamped_swiglu(limit: float, alpha: float, offset: float) -> tuple[object, str | None]:
@@ -297,7 +294,7 @@ def _rows_aligned(w1: torch.Tensor) -> bool:
     return (w1.shape[-1] * w1.element_size()) % 16 == 0
 
 
-@functools.cache
+@memoized
 def _warn_fallback(cls_name: str, reason: str, backend: str) -> None:
     warnings.warn(
         f"moekit experts backend: {cls_name} has {reason}; it runs transformers' {backend} "
@@ -332,6 +329,9 @@ def moekit_experts_forward(
     w1, w2 = self.gate_up_proj, self.down_proj
     # autocast may hand fp32 activations to bf16 weights, or run fp32 weights in bf16
     x = hidden_states.to(autocast_dtype(hidden_states.device.type, w1.shape[-1]) or w1.dtype)
+    # transformers' expert parallelism marks slots of other ranks' experts with ids >= the
+    # local expert count: moekit's marker of a dropped slot is -1
+    top_k_index = torch.where(top_k_index < w1.shape[0], top_k_index, -1)
     d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
     activation = _gate_activation(self)[0]
     if getattr(self, "has_post_expert_norm", False):

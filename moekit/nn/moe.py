@@ -165,10 +165,11 @@ class MoELayer(nn.Module):
         self.router.aux_loss_grad_scale = value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        H = self.router.weight.shape[1]
-        if not isinstance(x, torch.Tensor) or x.shape[-1] != H:
+        weight = self.router.weight
+        H = weight.shape[1]
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != H:
             raise ValueError(
-                f"x must be a [..., hidden_size = {H}] tensor, got "
+                f"x must be a [..., hidden_size = {H}] tensor (at least 1-D), got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
         tokens = x.reshape(-1, H)
@@ -177,6 +178,13 @@ class MoELayer(nn.Module):
         if autocast_on(tokens.device.type):
             # the experts would cast their rows anyway (k per token): cast the tokens once
             (tokens,) = autocast_tensors(tokens.device.type, (tokens,), (H,))
+        elif x.dtype != weight.dtype:
+            raise TypeError(
+                f"MoELayer got x of dtype {x.dtype}, but its parameters are {weight.dtype}: "
+                "outside torch.autocast the layer computes in its parameters' dtype. Run it "
+                f"inside torch.autocast('{x.device.type}', dtype=...) (mixed precision), or "
+                f"convert one to the other: layer.to({x.dtype}) or x.to({weight.dtype})"
+            )
         r = self.router(tokens)
         self.last_counts = r.counts
         self.last_aux_loss = None if r.aux_loss is None else r.aux_loss.detach()

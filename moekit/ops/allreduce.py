@@ -50,7 +50,6 @@ the first call).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -71,6 +70,7 @@ from moekit.reference.allreduce import gather_allreduce_ref
 from moekit.runtime.cache import cached
 from moekit.runtime.device import num_sms
 from moekit.runtime.replay import replayed, tensor_key
+from moekit.runtime.state import warn_once
 from moekit.tuning import allreduce as tuning
 from moekit.tuning.allreduce import auto_algo, set_auto_thresholds
 
@@ -91,13 +91,9 @@ _LAMPORT_FALLBACK = {"lamport": "one_shot", "lamport_two_shot": "two_shot"}
 # One Lamport slot holds one rank's x of a lamport call: 256 tokens × 7168 bf16.
 DEFAULT_LAMPORT_SLOT_BYTES = 4 << 20
 
-_warned: set[str] = set()
-
 
 def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    warn_once(("allreduce", key), message, stacklevel=2)
 
 
 def workspace_of(pool: SymmetricPool) -> kernels.Workspace | None:

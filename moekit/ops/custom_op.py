@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from moekit.runtime.eager import plain_eager
+from moekit.runtime.state import STATE
 
 __all__ = [
     "dispatcher_only",
@@ -41,18 +42,16 @@ __all__ = [
     "refuse_double_backward",
 ]
 
-_force_normal_path = [False]
-
 
 @contextlib.contextmanager
 def dispatcher_only() -> Iterator[None]:
     """Within this block every kernel op goes through the dispatcher and every Function through
     ``Function.apply`` (the path the eager shortcuts are tested against)."""
-    _force_normal_path[0] = True
+    STATE.dispatcher_only = True
     try:
         yield
     finally:
-        _force_normal_path[0] = False
+        STATE.dispatcher_only = False
 
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
@@ -81,7 +80,7 @@ def refuse_double_backward(op: str) -> None:
 def eager_shortcut(args: tuple) -> bool:
     """Whether a call with these arguments may take the eager shortcuts (plain eager mode, and
     not inside ``dispatcher_only()``)."""
-    return not _force_normal_path[0] and plain_eager(args)
+    return not STATE.dispatcher_only and plain_eager(args)
 
 
 def kernel_op(
@@ -103,9 +102,9 @@ def kernel_op(
         if none_outputs:
 
             @functools.wraps(impl)
-            def registered(*args):
+            def registered(*args, **kwargs):
                 device = next(a.device for a in args if isinstance(a, torch.Tensor))
-                outs = impl(*args)
+                outs = impl(*args, **kwargs)
                 return tuple(torch.empty(0, device=device) if o is None else o for o in outs)
 
         op = torch.library.custom_op(
@@ -114,10 +113,10 @@ def kernel_op(
         op.register_fake(fake)
 
         @functools.wraps(impl)
-        def call(*args):
-            if _force_normal_path[0] or not plain_eager(args):
-                return op(*args)
-            return impl(*args)
+        def call(*args, **kwargs):  # keyword arguments: non-tensor options only
+            if STATE.dispatcher_only or not plain_eager(args):
+                return op(*args, **kwargs)
+            return impl(*args, **kwargs)
 
         call.op = op
         call.impl = impl
@@ -136,7 +135,7 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
     c_apply = super(torch.autograd.Function, fn).apply
 
     def apply(*args):
-        if _force_normal_path[0] or not plain_eager(args):
+        if STATE.dispatcher_only or not plain_eager(args):
             return fn.apply(*args)
         return c_apply(*args)
 

@@ -15,11 +15,12 @@ reference, or the kernels in Triton's interpreter when moekit is imported with
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import itertools
 
 import torch
 
+from moekit.config import debug_checks
 from moekit.kernels import grouped_gemm as kernels
 from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors, autocast_weight
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
@@ -39,6 +40,7 @@ from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ra
 from moekit.runtime.cache import cache_get, cached
 from moekit.runtime.device import num_sms, use_triton
 from moekit.runtime.replay import replayed, tensor_key
+from moekit.runtime.state import STATE
 from moekit.runtime.tma import aligned_copy, tma_ready, tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as tuning
 
@@ -302,9 +304,6 @@ class _Plan:
     uid: int
 
 
-_plan_uids = itertools.count(1)
-
-
 def _plan_key(a, b, offsets, bias, out_dtype) -> tuple | None:
     """The static facts of a CUDA call that its validation depends on; None for CPU tensors and
     for arguments that are not tensors (the full checks then say what is wrong). Written out
@@ -328,7 +327,7 @@ def _make_plan(key, a, b, offsets, ragged_m: bool, out_dtype) -> _Plan:
         ready = tma_strides(a) and (tma_strides(b, 2) or tma_strides(b, 1))
     else:
         ready = tma_strides(a.t()) and tma_strides(b)
-    uid = next(_plan_uids) if key is not None and ready and offsets.is_contiguous() else 0
+    uid = next(STATE.uids) if key is not None and ready and offsets.is_contiguous() else 0
     plan = _Plan(ragged_m, out_dtype, uid)
     return cached(key, lambda: plan) if key is not None else plan
 
@@ -382,23 +381,48 @@ def _check_no_grad(*tensors: torch.Tensor | None) -> None:
         raise ValueError("out= does not support autograd; call grouped_mm without out= instead")
 
 
+_RAGGED_M_FORM = (
+    "the ragged-M form (chosen because b is 3-D): a [T, K] @ b [E, K, N] -> [T, N], rows "
+    "offsets[e-1]:offsets[e] of a times expert e's b[e]"
+)
+_RAGGED_K_FORM = (
+    "the ragged-K form (chosen because b is 2-D): a [M, T] @ b [T, N] -> [E, M, N], the "
+    "weight-gradient form, where expert e contracts over columns offsets[e-1]:offsets[e] of a "
+    "and those rows of b; for per-expert weights pass b as [E, K, N] (ragged M), and for one "
+    "weight shared by every row use a plain a @ b"
+)
+
+
+@contextlib.contextmanager
+def _in_form(form: str, a: torch.Tensor, b: torch.Tensor):
+    """Adds to a check's ValueError/TypeError which grouped form grouped_mm took from the
+    operands' ranks and the shapes that form expects, for a caller who meant another."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
+        raise type(e)(
+            f"{e}; grouped_mm took {form}; got a {tuple(a.shape)} and b {tuple(b.shape)}"
+        ) from None
+
+
 def _grouped_mm_ragged_m(
     a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master=None
 ):  # fmt: skip
     T, N = a.shape[0], b.shape[2]
-    offsets, bias = check_ragged_m_inputs(a, b, offsets, bias, out_dtype)
-    if accumulate:
-        raise ValueError("accumulate=True is supported for the ragged-K form (2-D × 2-D) only")
-    if validate:
-        check_offsets_values(offsets, T)
+    with _in_form(_RAGGED_M_FORM, a, b):
+        offsets, bias = check_ragged_m_inputs(a, b, offsets, bias, out_dtype)
+        if accumulate:
+            raise ValueError("accumulate=True is supported for the ragged-K form (2-D × 2-D) only")
+        check_offsets_values(offsets, T, rows_what="a.shape[0] (T)", device_check=validate)
+        if out is not None:
+            _check_out(out, (T, N), out_dtype, a)
+            if not out.is_contiguous():
+                raise ValueError(
+                    f"out must be contiguous for the ragged-M form, got strides {out.stride()}"
+                )
     if out is None:
         plan = _make_plan(key, a, b, offsets, True, out_dtype)
         return _run_plan(plan, a, b, offsets, bias, master)
-    _check_out(out, (T, N), out_dtype, a)
-    if not out.is_contiguous():
-        raise ValueError(
-            f"out must be contiguous for the ragged-M form, got strides {out.stride()}"
-        )
     _check_no_grad(a, b, bias)
     if tma_ready(out):
         ragged_m_out(a, b, offsets, bias, out)
@@ -411,18 +435,21 @@ def _grouped_mm_ragged_m(
 
 def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key):
     M, T = a.shape
-    check_dim_size("b", b, 0, T, "a.shape[1] (T, the ragged dimension)")
     N = b.shape[1]
-    offsets = check_offsets(offsets, None, "a", a, None)
-    check_byte_aligned("a", M, a.dtype, "M (a.shape[0])")
-    check_byte_aligned("b", N, b.dtype, "N (b.shape[1])")
-    if bias is not None:
-        raise ValueError("bias is supported for the ragged-M form (2-D × 3-D) only")
-    if validate:
-        check_offsets_values(offsets, T)
+    with _in_form(_RAGGED_K_FORM, a, b):
+        check_dim_size("b", b, 0, T, "a.shape[1] (T, the ragged dimension)")
+        offsets = check_offsets(offsets, None, "a", a, None)
+        check_byte_aligned("a", M, a.dtype, "M (a.shape[0])")
+        check_byte_aligned("b", N, b.dtype, "N (b.shape[1])")
+        if bias is not None:
+            raise ValueError("bias is supported for the ragged-M form (2-D × 3-D) only")
+        check_offsets_values(
+            offsets, T, rows_what="a.shape[1] (T, the ragged dimension)", device_check=validate
+        )
+        if out is not None:
+            _check_out(out, (offsets.shape[0], M, N), out_dtype, a)
     if out is None:
         return _run_plan(_make_plan(key, a, b, offsets, False, out_dtype), a, b, offsets, None)
-    _check_out(out, (offsets.shape[0], M, N), out_dtype, a)
     _check_no_grad(a, b, None)
     ragged_k_out(a, b, offsets, out, accumulate)
     return out
@@ -447,8 +474,9 @@ def grouped_mm(
             must span a multiple of 16 bytes (8 elements for bf16/fp16, 4 for fp32) on every
             path. Under Triton's interpreter, bf16 is refused (its ``tl.dot`` is wrong there).
         offsets: cumulative end offsets, any stride; ``offsets[-1]`` may be below the ragged
-            size (rows past it are zero in ragged-M outputs). Never read on the host unless
-            ``validate=True``.
+            size (rows past it are zero in ragged-M outputs). Offsets that decrease or end
+            past the ragged size raise (see ``validate``); CUDA offsets are never read on the
+            host.
         out_dtype: output dtype, default ``out.dtype`` with ``out``, else ``a.dtype``;
             ``torch.float32`` is allowed with 16-bit inputs in both forms (torch._grouped_mm
             refuses it for ragged K).
@@ -456,9 +484,12 @@ def grouped_mm(
         accumulate: ragged K only, with ``out``: ``out += result`` in place (a Megatron-style
             fp32 ``main_grad``); experts with no columns leave ``out`` untouched.
         bias: per-expert bias added to each row (ragged M only).
-        validate: also check that offsets are non-decreasing and within range. This reads
-            offsets on the host (a device sync), so it is off by default; with malformed
-            offsets and ``validate=False`` the result is undefined (but memory-safe).
+        validate: on a GPU, also check that offsets are non-decreasing and end at most at
+            the ragged size, on the device (``torch._assert_async``: no host sync; a failure
+            surfaces as a device-side assert at the next synchronisation). Off by default
+            (``MOEKIT_DEBUG=1`` turns it on for every call); with malformed offsets and no
+            check the result is undefined (but memory-safe). CPU tensors are always checked,
+            on the host (``ValueError``).
 
     Returns:
         [T, N] (ragged M) or [E, M, N] (ragged K); ``out`` itself when given.
@@ -493,6 +524,8 @@ def grouped_mm(
 
 def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, master):
     """grouped_mm outside autocast; ``master``: see _RaggedMFn (ragged M, no ``out``)."""
+    if validate is False and debug_checks():  # MOEKIT_DEBUG=1: validate every call
+        validate = True
     key = None
     if (
         out is None
@@ -506,6 +539,13 @@ def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, maste
             return _run_plan(plan, a, b, offsets, bias, master)
     a = check_tensor("a", a)
     b = check_tensor("b", b)
+    if a.dim() != 2 or b.dim() not in (2, 3):
+        name, shape = ("a", a.shape) if a.dim() != 2 else ("b", b.shape)
+        raise ValueError(
+            f"{name} has shape {tuple(shape)}: grouped_mm takes a 2-D a with a 3-D b (ragged "
+            "M: a [T, K] x b [E, K, N]) or a 2-D b (ragged K: a [M, T] x b [T, N]); got a "
+            f"{tuple(a.shape)} and b {tuple(b.shape)}"
+        )
     check_dtype("a", a, FLOAT_DTYPES)
     if b.dtype != a.dtype:
         raise TypeError(f"b must have a's dtype {a.dtype}, got {b.dtype}")
@@ -522,13 +562,8 @@ def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, maste
         raise TypeError(f"out_dtype must be one of bfloat16, float16, float32, got {out_dtype}")
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
-    if a.dim() == 2 and b.dim() == 3:
+    if b.dim() == 3:
         return _grouped_mm_ragged_m(
             a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master
         )  # fmt: skip
-    if a.dim() == 2 and b.dim() == 2:
-        return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
-    raise ValueError(
-        "grouped_mm takes a 2-D a with a 3-D b (ragged M: [T, K] x [E, K, N]) or a 2-D b "
-        f"(ragged K: [M, T] x [T, N]); got a {tuple(a.shape)} and b {tuple(b.shape)}"
-    )
+    return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)

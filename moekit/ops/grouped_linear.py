@@ -72,6 +72,7 @@ def _check_inputs(x, weight, offsets, bias, main_grad):
     check_features(K, N, x.dtype)
     v.check_interpretable("x", x)
     offsets = v.check_offsets(offsets, E, "x", x, "num_experts = weight.shape[0]")
+    v.check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (T)")
     if bias is not None:
         bias = v.check_tensor("bias", bias)
         if tuple(bias.shape) != (E, N):

@@ -18,9 +18,7 @@ replay their recorded launches (:mod:`moekit.runtime.replay`).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
-import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +42,7 @@ from moekit.ops.validation import (
     check_interpretable,
     check_ndim,
     check_offsets,
+    check_offsets_values,
     check_same_device,
     check_tensor,
 )
@@ -51,6 +50,7 @@ from moekit.runtime.cache import cached, first_time
 from moekit.runtime.device import is_capturing, spare_bytes, use_triton
 from moekit.runtime.eager import owned_gradient
 from moekit.runtime.replay import compile_ahead, replayed, tensor_key
+from moekit.runtime.state import STATE, memoized, warn_once
 from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
 from moekit.tuning import grouped_mlp as tuning
@@ -70,7 +70,7 @@ __all__ = [
 ONE_SEGMENT_MAX_BYTES = 64 << 20
 
 
-@functools.cache
+@memoized
 def _activation(name: str, limit: float, alpha: float, offset: float) -> Activation:
     return Activation(name, limit=limit, alpha=alpha, offset=offset)
 
@@ -153,9 +153,7 @@ def _release(t: torch.Tensor | None) -> None:
         t.untyped_storage().resize_(0)
 
 
-def _forward_fake(
-    x, offsets, w1, w2, probs, b1, b2, act, limit, alpha, offset, inter, store_h, zero_tail, uid
-):
+def _forward_fake(x, offsets, w1, w2, probs, b1, b2, *, store_h, **_):
     R = x.shape[0]
     h = x.new_empty(R if store_h else 0, w1.shape[1])
     return x.new_empty(R, w2.shape[1]), h, x.new_empty(R, w2.shape[2])
@@ -179,6 +177,7 @@ def _forward_impl(
     probs: torch.Tensor | None,  # [R]
     b1: torch.Tensor | None,  # [E, W1]
     b2: torch.Tensor | None,  # [E, H]
+    *,
     act_name: str, limit: float, alpha: float, offset: float,  # the Activation
     interleave: int,  # 0: [gate | up] halves
     store_h: bool,
@@ -231,9 +230,9 @@ def _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype, w_dtype)
     )
 
 
-def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *rest):
-    needs, grad_dtypes = rest[5], rest[6:9]
-    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, *grad_dtypes)
+def _backward_fake(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *, needs, b1_dtype,
+                   b2_dtype, w_dtype, **_):  # fmt: skip
+    spec = _grad_shapes(x, w1, w2, probs, mg1, mg2, needs, b1_dtype, b2_dtype, w_dtype)
     # an output not computed: the empty fp32 tensor kernel_op's none_outputs puts in its place
     return tuple(
         x.new_empty(shape, dtype=dt) if want else x.new_empty(0, dtype=torch.float32)
@@ -253,6 +252,7 @@ def _backward_impl(
     mg1: torch.Tensor | None,  # w1.main_grad, accumulated into
     mg2: torch.Tensor | None,  # w2.main_grad, accumulated into
     b1: torch.Tensor | None,  # [E, W1]: to recompute h if a first backward freed it
+    *,
     act_name: str,
     limit: float,
     alpha: float,
@@ -283,10 +283,11 @@ def _backward_impl(
     given = dy
     dy = tma_rows(dy if dy.dtype == x.dtype else dy.to(x.dtype))
     dy_owned = (dy_owned or dy is not given) and dy.is_contiguous()
-    return _run_backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs,
-        (b1_dtype, b2_dtype, w_dtype), release, release and dy_owned, uid, zero_tail,
+    opts = _BackwardOptions(
+        act, inter, tuple(needs), (b1_dtype, b2_dtype, w_dtype), uid, release and dy_owned,
+        zero_tail,
     )  # fmt: skip
+    return _run_backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, opts, release)
 
 
 _backward = kernel_op(
@@ -302,6 +303,18 @@ def _recompute(x, offsets, w1, w2, probs, b1, a, act, inter):
     return h, (a_new if a is not None else None)
 
 
+class _BackwardOptions(NamedTuple):
+    """What one backward call computes, besides its tensors."""
+
+    act: Activation
+    inter: int | None
+    needs: tuple[bool, ...]  # gradients wanted: x, w1, w2, probs, b1, b2
+    grad_dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # b1's, b2's, the weights'
+    uid: int  # a validated plan (0: none)
+    reuse_dy: bool  # dx may take dy's memory once dy is dead
+    zero_tail: bool  # False: dx's rows past offsets[-1] are left unwritten
+
+
 class _Backward:
     """The backward launches of one call and the buffers they write.
 
@@ -311,11 +324,9 @@ class _Backward:
     segment, so when nothing else holds it (``reuse_dy``) dx is written into its memory: the
     peak then holds one [R, H] gradient instead of two."""
 
-    def __init__(
-        self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, bdt, uid, reuse_dy,
-        zero_tail,
-    ):  # fmt: skip
-        self.reuse_dy, self.zero_tail = reuse_dy, zero_tail
+    def __init__(self, dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, opts: _BackwardOptions):
+        act, inter, needs, bdt, uid = opts.act, opts.inter, list(opts.needs), *opts[3:5]
+        self.reuse_dy, self.zero_tail = opts.reuse_dy, opts.zero_tail
         self.dy, self.x, self.offsets, self.w1, self.w2, self.probs = dy, x, offsets, w1, w2, probs
         self.h, self.a, self.mg1, self.mg2, self.act, self.inter = h, a, mg1, mg2, act, inter
         self.needs, self.grad_dtypes = needs, bdt  # b1's, b2's, the weights' gradients
@@ -336,11 +347,11 @@ class _Backward:
         # _replay spells out every tensor.
         self.uid = uid
         if uid:
-            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt, zero_tail)
+            self.base = ("mlp_bwd", uid, tuple(needs), dy.stride(), dy.dtype, bdt, self.zero_tail)
         else:
             self.base = (
                 "mlp_bwd", act, inter, tuple(needs), mg1 is not None, mg2 is not None, bdt,
-                zero_tail,
+                self.zero_tail,
             )  # fmt: skip
 
     def held_bytes(self) -> int:
@@ -444,14 +455,8 @@ class _Backward:
         return self.dx, t1, t2, self.dp, self.db1, self.db2
 
 
-def _run_backward(
-    dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, release,
-    reuse_dy, uid, zero_tail,
-):  # fmt: skip
-    bwd = _Backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, act, inter, needs, grad_dtypes, uid,
-        reuse_dy, zero_tail,
-    )  # fmt: skip
+def _run_backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, opts, release: bool):
+    bwd = _Backward(dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, opts)
     if not release or bwd.held_bytes() <= ONE_SEGMENT_MAX_BYTES or bwd.first_of_its_configuration():
         bwd.one_segment()
     else:
@@ -476,31 +481,50 @@ def _needs(needs_input_grad: tuple) -> list[bool]:
     return [n[0], n[2], n[3], n[4], n[5], n[6]]
 
 
-def _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, act_args, interleave,
-                            recompute, needs_input_grad, grad_dtypes, uid,
-                            zero_tail) -> None:  # fmt: skip
+def _compile_backward_ahead(
+    x, offsets, w1, w2, probs, b1, mg1, mg2, opts: _BackwardOptions, recompute: bool
+) -> None:
     """On a configuration's first forward, start compiling its backward's kernels, so that
     they compile while the forward and the ops after it run (a new shape's first step otherwise
     compiles them only when the backward arrives, after everything else). The backward's
     buffers are allocated for a moment: skipped where they do not fit twice in spare memory,
     under CUDA-graph capture, and for a layout without a validated plan. (The plan fixes
     which inputs require gradients, so ``uid`` alone keys the configuration.)"""
-    if not first_time(("mlp_bwd_ahead", uid)):
+    if not first_time(("mlp_bwd_ahead", opts.uid)):
         return
-    if not (uid and _aligned(x, w1, w2, b1, None)) or is_capturing():
+    if not (opts.uid and _aligned(x, w1, w2, b1, None)) or is_capturing():
         return
-    inter = _interleave(interleave)
-    if spare_bytes(x.device) < 2 * _backward_bytes(x, w1, w2, inter, recompute):
+    if spare_bytes(x.device) < 2 * _backward_bytes(x, w1, w2, opts.inter, recompute):
         return
     (R, H), W1, F_ = x.shape, w1.shape[1], w2.shape[2]
     h, a = x.new_empty(R, W1), None if recompute else x.new_empty(R, F_)
-    bwd = _Backward(
-        x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, _activation(*act_args),
-        inter, _needs(needs_input_grad), grad_dtypes, uid, False, zero_tail,
-    )  # fmt: skip
+    bwd = _Backward(x.new_empty(R, H), x, offsets, w1, w2, probs, h, a, mg1, mg2, opts)
     bwd.alloc_w2()
     bwd.alloc_fc1(reuse_dy=False)
     compile_ahead(lambda: (bwd.dact(), bwd.wgrad2(), bwd.fc1()), wait=False)
+
+
+class _MLPCall(NamedTuple):
+    """The options of one fused call (a tuple: torch.compile traces it as constants)."""
+
+    act_name: str
+    limit: float
+    alpha: float
+    offset: float
+    interleave: int  # 0: [gate | up] halves
+    recompute: bool  # the backward recomputes the activation instead of saving it
+    for_backward: bool  # store h for the backward
+    uid: int  # a validated plan (0: none)
+    eager: bool  # the call checked eager_shortcut for all its tensors
+    zero_tail: bool  # False: rows past offsets[-1] are left unwritten
+
+    def forward_kwargs(self) -> dict:
+        """The forward kernel op's options."""
+        return dict(
+            act_name=self.act_name, limit=self.limit, alpha=self.alpha, offset=self.offset,
+            interleave=self.interleave, store_h=self.for_backward, zero_tail=self.zero_tail,
+            plan_uid=self.uid,
+        )  # fmt: skip
 
 
 class _GroupedMLPFn(torch.autograd.Function):
@@ -509,31 +533,25 @@ class _GroupedMLPFn(torch.autograd.Function):
     dtype, instead of in x's dtype and cast again by autograd."""
 
     @staticmethod
-    def forward(
-        ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, act, inter, recompute, for_bwd, uid,
-        eager,  # the call checked eager_shortcut for all its tensors
-        zero_tail,
-        w1m, w2m,
-    ):  # fmt: skip
+    def forward(ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, call: _MLPCall, w1m, w2m):
         w_dtype = w1.dtype if w1m is None else w1m.dtype
         grad_dtypes = (*(b.dtype if b is not None else x.dtype for b in (b1, b2)), w_dtype)
-        if eager and uid and x.is_cuda and x.shape[0] > 0:
-            _compile_backward_ahead(
-                x, offsets, w1, w2, probs, b1, mg1, mg2, act, inter, recompute,
-                ctx.needs_input_grad, grad_dtypes, uid, zero_tail,
+        act_args, inter = (call.act_name, call.limit, call.alpha, call.offset), call.interleave
+        if call.eager and call.uid and x.is_cuda and x.shape[0] > 0:
+            opts = _BackwardOptions(
+                _activation(*act_args), _interleave(inter), tuple(_needs(ctx.needs_input_grad)),
+                grad_dtypes, call.uid, False, call.zero_tail,
             )  # fmt: skip
-        run = _forward.impl if eager else _forward
-        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, *act, inter, for_bwd, zero_tail, uid)
-        ctx.zero_tail = zero_tail
-        ctx.act = (*act, inter)
-        ctx.plan_uid = uid
-        ctx.eager = eager
+            _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, opts, call.recompute)
+        run = _forward.impl if call.eager else _forward
+        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, **call.forward_kwargs())
+        ctx.call = call
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
         ctx.main_grads = (mg1, mg2)
         ctx.grad_dtypes = grad_dtypes
         ctx.masters = w1m is not None
-        ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if recompute else a, b1)
+        ctx.save_for_backward(x, offsets, w1, w2, probs, h, None if call.recompute else a, b1)
         return y
 
     @staticmethod
@@ -543,14 +561,18 @@ class _GroupedMLPFn(torch.autograd.Function):
         mg1, mg2 = ctx.main_grads
         n = ctx.needs_input_grad
         needs = _needs(n)
-        direct = eager_shortcut((grad,)) and ctx.eager
+        call = ctx.call
+        direct = eager_shortcut((grad,)) and call.eager
         run = _backward.impl if direct else _backward
         # only the direct call may return dx in grad's memory (a custom op's outputs cannot
         # alias its inputs)
         owned = direct and owned_gradient(grad)
+        b1_dtype, b2_dtype, w_dtype = ctx.grad_dtypes
         dx, dw1, dw2, dp, db1, db2 = run(
-            grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, *ctx.act, needs,
-            *ctx.grad_dtypes, direct, owned, ctx.plan_uid, ctx.zero_tail,
+            grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act_name=call.act_name,
+            limit=call.limit, alpha=call.alpha, offset=call.offset, interleave=call.interleave,
+            needs=needs, b1_dtype=b1_dtype, b2_dtype=b2_dtype, w_dtype=w_dtype, release=direct,
+            dy_owned=owned, plan_uid=call.uid, zero_tail=call.zero_tail,
         )  # fmt: skip
         if run is _backward:  # the custom op returns an empty tensor for each None
             wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
@@ -560,10 +582,7 @@ class _GroupedMLPFn(torch.autograd.Function):
         masters = (dw1, dw2) if ctx.masters else (None, None)
         if ctx.masters:
             dw1 = dw2 = None
-        return (
-            dx, None, dw1, dw2, dp, db1, db2, None, None, None, None, None, None, None, None,
-            None, *masters,
-        )  # fmt: skip
+        return dx, None, dw1, dw2, dp, db1, db2, None, None, None, *masters
 
 
 _apply_grouped_mlp = function_apply(_GroupedMLPFn)
@@ -605,9 +624,6 @@ def _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan: _Plan, mg1, mg
     if probs is not None:
         a = a * probs.float()[:, None]
     return grouped_linear(a.to(x.dtype), w2, offsets, b2, mg2)
-
-
-_plan_uids = itertools.count(1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -767,7 +783,7 @@ def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, r
     def make() -> _Plan:
         plan = _make_plan(*args)
         ready = _kernel_layouts(x, offsets, w1, w2, probs, b1, b2)
-        return dataclasses.replace(plan, uid=next(_plan_uids)) if ready else plan
+        return dataclasses.replace(plan, uid=next(STATE.uids)) if ready else plan
 
     try:
         return cached(key, make)
@@ -777,9 +793,6 @@ def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, r
         except TypeError:  # an unhashable argument: the full checks say what is wrong
             return _make_plan(*args)
         raise
-
-
-_warned: set[str] = set()
 
 
 def grouped_mlp(
@@ -891,30 +904,28 @@ def _grouped_mlp(
         x, offsets, w1, w2, probs, b1, b2, mg1, mg2,
         activation, glu_interleave, recompute_activation,
     )  # fmt: skip
+    # values are checked per call (the plan is cached): on the host for CPU tensors, on the
+    # device under MOEKIT_DEBUG=1
+    check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (R)")
     reason = plan.unfused_reason
     if reason is None:
         a = plan.act
         # one eager check for the whole call: the Function and its kernel ops skip theirs
         eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2, *masters))
+        call = _MLPCall(
+            a.name, a.limit, a.alpha, a.offset, plan.interleave or 0, plan.recompute,
+            plan.for_backward, plan.uid, eager, zero_tail,
+        )  # fmt: skip
         if not plan.for_backward:  # no gradient wanted (e.g. generation): no autograd node
             run = _forward.impl if eager else _forward
-            return run(
-                x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
-                plan.interleave or 0, False, zero_tail, plan.uid,
-            )[0]  # fmt: skip
+            return run(x, offsets, w1, w2, probs, b1, b2, **call.forward_kwargs())[0]
         apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
-        return apply(
-            x, offsets, w1, w2, probs, b1, b2, mg1, mg2, (a.name, a.limit, a.alpha, a.offset),
-            plan.interleave or 0, plan.recompute, plan.for_backward, plan.uid, eager, zero_tail,
-            *masters,
-        )  # fmt: skip
-    if reason and reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(
+        return apply(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, call, *masters)
+    if reason:
+        warn_once(
+            ("grouped_mlp", reason),
             f"moekit.grouped_mlp: fused path unavailable ({reason}); running the unfused "
             "composition of moekit ops",
-            RuntimeWarning,
-            stacklevel=2,
         )
     if masters[0] is not None:  # the unfused ops differentiate through the casts themselves
         w1, w2 = (m.to(x.dtype) for m in masters)
@@ -950,6 +961,7 @@ def grouped_mlp_plan(
     configuration only the unfused composition covers."""
     mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
     plan = _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, glu_interleave, False)
+    check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (R)")
     if plan.unfused_reason is not None:
         reason = plan.unfused_reason or "CPU tensors run the reference composition"
         raise ValueError(f"the fused grouped MLP cannot run this call: {reason}")
@@ -983,8 +995,9 @@ def grouped_mlp_forward(
         )  # fmt: skip
     a = plan.act
     return _forward(
-        x, offsets, w1, w2, probs, b1, b2, a.name, a.limit, a.alpha, a.offset,
-        plan.interleave or 0, bool(store_h), True, plan.uid,
+        x, offsets, w1, w2, probs, b1, b2, act_name=a.name, limit=a.limit, alpha=a.alpha,
+        offset=a.offset, interleave=plan.interleave or 0, store_h=bool(store_h), zero_tail=True,
+        plan_uid=plan.uid,
     )  # fmt: skip
 
 
@@ -1030,9 +1043,12 @@ def grouped_mlp_backward(
     needs[5] = needs[5] and b2 is not None
     if probs is None:
         needs[3] = False
+    b1_dtype, b2_dtype, w_dtype = grad_dtypes
     out = _backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act.name, act.limit, act.alpha,
-        act.offset, plan.interleave or 0, needs, *grad_dtypes, False, False, plan.uid, True,
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act_name=act.name, limit=act.limit,
+        alpha=act.alpha, offset=act.offset, interleave=plan.interleave or 0, needs=needs,
+        b1_dtype=b1_dtype, b2_dtype=b2_dtype, w_dtype=w_dtype, release=False, dy_owned=False,
+        plan_uid=plan.uid, zero_tail=True,
     )  # fmt: skip
     wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
     # the custom op (not plain eager) returns an empty tensor for each gradient not computed

@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from moekit.config import debug_checks
 from moekit.kernels import permute as kernels
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.routing import (
@@ -39,9 +40,11 @@ from moekit.ops.validation import (
     FLOAT_DTYPES,
     check_dim_size,
     check_dtype,
+    check_expert_ids,
     check_ndim,
     check_same_device,
     check_tensor,
+    values_on_host,
 )
 from moekit.reference.permute import gather_rows_torch, scatter_rows_torch
 from moekit.runtime.device import use_triton
@@ -342,9 +345,9 @@ def _check_probs(probs: object, shape: tuple[int, int], what: str, hidden: torch
 
 
 def _assert_on_device(ok: torch.Tensor, msg: str, bad: torch.Tensor | None = None) -> None:
-    """Raise ``msg`` if ``ok`` is False: on CUDA a device-side assert that surfaces at the next
-    synchronisation (never forcing one here), on CPU a ValueError now."""
-    if ok.is_cuda:
+    """Raise ``msg`` if ``ok`` is False: on CUDA (and while tracing) a device-side assert that
+    surfaces at the next synchronisation (never forcing one here), on CPU a ValueError now."""
+    if not values_on_host(ok):
         torch._assert_async(ok, msg)
     elif not bool(ok):
         raise ValueError(msg if bad is None else f"{msg}: e.g. {bad[:4].tolist()}")
@@ -392,10 +395,7 @@ def _slots_from_indices(hidden, indices, probs, num_experts, topk, validate):
     k = _check_int("indices.shape[1] (k)", indices.shape[1], 1)
     if probs is not None:
         probs = _check_probs(probs, tuple(indices.shape), "of indices [T, k]", hidden)
-    if validate:
-        bad = (indices < 0) | (indices >= E)
-        msg = f"indices has entries outside [0, num_experts={E})"
-        _assert_on_device(~bad.any(), msg, None if bad.is_cuda else indices[bad])
+    check_expert_ids(indices, E, device_check=validate)
     return indices, probs, E, k
 
 
@@ -434,9 +434,14 @@ def permute(
 
     Args:
         hidden: ``[T, H]`` activations, bf16/fp16/fp32, unit stride along H.
-        indices: ``[T, k]`` expert ids (any int dtype), the router's top-k. Ids outside
-            ``[0, E)`` are undefined behaviour (in practice the slot is dropped) unless
-            ``validate=True``, which checks on the device without a host sync.
+        indices: ``[T, k]`` expert ids (any int dtype), the router's top-k; ``−1`` marks a
+            slot routed to no expert (as capacity drops and expert parallelism's non-local
+            slots are): it gets no row and zeros back from ``unpermute`` (permute cannot see
+            it without a sync, so ``dropless`` stays True and on a GPU the rows from
+            ``offsets[-1]`` up to T·k may be left unwritten; moekit's grouped ops never read
+            past ``offsets[-1]``). Other ids outside
+            ``[0, E)`` raise ``ValueError`` on CPU tensors; on a GPU they are undefined
+            behaviour (in practice the slot is dropped) unless ``validate=True`` checks them.
         probs: ``[T, k]`` routing weights (``[T, E]`` with ``routing_map``); carried along as
             ``Dispatch.probs`` so ``unpermute`` can weight by them; gradients flow back to it.
         num_experts: E; required with ``indices``.
@@ -452,7 +457,8 @@ def permute(
         capacity_factor: keep at most ``C = ceil(cf·T·k/E)`` rows per expert (rounded up to
             ``align``), dropping the lowest probs first; R = E·C.
         validate: check index ranges on the device (``torch._assert_async``: no host sync; the
-            error surfaces at the next synchronisation).
+            error surfaces at the next synchronisation). ``MOEKIT_DEBUG=1`` turns it on for
+            every call.
         zero_tail: False leaves the rows past ``offsets[-1]`` unwritten (padding rows inside
             segments are still zeroed), for a caller whose R is a loose bound and whose
             consumers read only the rows ``offsets`` covers (expert parallelism's receive side).
@@ -465,6 +471,7 @@ def permute(
     hidden = _check_hidden("hidden", hidden)
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    validate = validate or debug_checks()
     if routing_map is not None:
         if indices is not None:
             raise ValueError("pass either indices or routing_map, not both")
@@ -600,6 +607,7 @@ def sort_chunks_by_index(
     """
     if not isinstance(validate, bool):
         raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    validate = validate or debug_checks()
     x = _check_hidden("x", x)
     N = x.shape[0]
     split_sizes = check_tensor("split_sizes", split_sizes)

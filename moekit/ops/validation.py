@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
+from moekit.config import debug_checks
 from moekit.runtime.device import use_triton
 
 
@@ -95,15 +97,93 @@ def check_offsets(
     return offsets
 
 
-def check_offsets_values(offsets: torch.Tensor, total: int) -> None:
-    """Non-decreasing, non-negative, at most ``total``. Reads offsets on the host (a sync):
-    only for ``validate=True``, never on a hot path."""
-    prev = 0
-    for e, v in enumerate(offsets.tolist()):
-        if v < prev:
+def values_on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values may be read now without a device sync: a real CPU tensor, outside
+    tracing (``torch.compile``/export trace with stand-ins that hold no values)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
+
+
+def _device_checks(device_check: bool | None) -> bool:
+    return debug_checks() if device_check is None else device_check
+
+
+def check_offsets_values(
+    offsets: torch.Tensor,
+    rows: int,
+    *,
+    name: str = "offsets",
+    rows_what: str = "the number of rows",
+    device_check: bool | None = None,
+) -> None:
+    """``offsets`` ([E] cumulative END offsets, ``torch._grouped_mm`` convention) must not go
+    backwards (nor start below 0) and must end at most at ``rows`` (``rows_what`` says where
+    that count comes from); ending short is allowed (a padding tail). Call after
+    :func:`check_offsets`.
+
+    CPU tensors are checked on the host on every call: a ``ValueError`` naming ``name``, the
+    first entry that decreases or the last one, and the bound. Other devices only when
+    ``device_check`` (an op's ``validate=True``; None: as ``MOEKIT_DEBUG`` says), and then on
+    the device with ``torch._assert_async``, which never syncs: a failure surfaces as a
+    device-side assert (``RuntimeError``) at the next synchronisation."""
+    if values_on_host(offsets):
+        prev = 0
+        for e, v in enumerate(offsets.tolist()):
+            if v < prev:
+                was = f"{name}[{e - 1}] = {prev}" if e else "0"
+                raise ValueError(
+                    f"{name} must be non-decreasing cumulative end offsets starting at >= 0 "
+                    f"(torch._grouped_mm convention), but {name}[{e}] = {v} < {was}"
+                )
+            prev = v
+        if prev > rows:
             raise ValueError(
-                f"offsets must be non-decreasing and start at >= 0; offsets[{e}] = {v} < {prev}"
+                f"{name}[-1] = {prev} exceeds {rows_what} = {rows}: the offsets must end at "
+                f"most there (ending below it is allowed: a padding tail)"
             )
-        prev = v
-    if prev > total:
-        raise ValueError(f"offsets[-1] = {prev} exceeds the ragged dimension's size {total}")
+        return
+    if offsets.numel() == 0 or offsets.device.type == "meta" or not _device_checks(device_check):
+        return
+    ok = (offsets[-1] <= rows) & (offsets[0] >= 0)
+    if offsets.shape[0] > 1:
+        ok &= (offsets[1:] >= offsets[:-1]).all()
+    torch._assert_async(
+        ok,
+        f"{name} must be non-decreasing cumulative end offsets starting at >= 0 and ending at "
+        f"most at {rows_what} = {rows}",
+    )
+
+
+def check_expert_ids(
+    indices: torch.Tensor,
+    num_experts: int,
+    *,
+    name: str = "indices",
+    device_check: bool | None = None,
+) -> None:
+    """Expert ids must lie in ``[0, num_experts)``, or be −1 (a dropped slot: it gets no row).
+
+    CPU tensors are checked on the host on every call (a ``ValueError`` naming ``name``, E and
+    the first offending id and its place); other devices only when ``device_check`` (an op's
+    ``validate=True``; None: as ``MOEKIT_DEBUG`` says), with ``torch._assert_async`` (no host
+    sync; a ``RuntimeError`` at the next synchronisation)."""
+    E = num_experts
+    host = values_on_host(indices)
+    if indices.numel() == 0 or not (
+        host or (indices.device.type != "meta" and _device_checks(device_check))
+    ):
+        return
+    if indices.dtype not in (torch.int32, torch.int64):  # compare uint8 ids as numbers, not mod 256
+        indices = indices.int()
+    if host:
+        bad = (indices >= E) | (indices < -1)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            raise ValueError(
+                f"{name} must hold expert ids in [0, num_experts = {E}) or -1 (a dropped "
+                f"slot), got {name}[{', '.join(map(str, where))}] = {int(indices[where])}"
+            )
+        return
+    ok = ((indices < E) & (indices >= -1)).all()
+    torch._assert_async(
+        ok, f"{name} must hold expert ids in [0, num_experts = {E}) or -1 (a dropped slot)"
+    )

@@ -9,15 +9,16 @@ that cycles through endless shapes from growing it without limit.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
+
+from moekit.runtime.state import STATE
 
 __all__ = ["MAX_ENTRIES", "cache_clear", "cache_entries", "cache_get", "cached", "first_time"]
 
 MAX_ENTRIES = 2048
 
-_entries: OrderedDict[Hashable, Any] = OrderedDict()
+_entries = STATE.cache  # the same OrderedDict for the life of the process (cleared in place)
 
 
 def cached(key: Hashable, build: Callable[[], Any]) -> Any:

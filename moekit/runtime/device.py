@@ -7,13 +7,11 @@ reference, or the Triton kernels in Triton's CPU interpreter when moekit was imp
 
 from __future__ import annotations
 
-import functools
-import weakref
-
 import torch
 import triton
 
 from moekit.config import check_interpret_unchanged, interpret_mode
+from moekit.runtime.state import STATE, memoized
 
 __all__ = [
     "TILE_COUNTER_WORDS",
@@ -37,7 +35,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and interpret_mode()
 
 
-@functools.cache
+@memoized
 def _sm_count(device_index: int | None) -> int:
     if device_index is None:
         return 4  # the interpreter runs programs one after another: a few suffice
@@ -60,9 +58,6 @@ def is_capturing() -> bool:
     return torch._C._cuda_isCurrentStreamCapturing()
 
 
-_scratch_by_stream: dict[tuple[int, int | None], torch.Tensor] = {}
-
-
 def spare_bytes(device: torch.device) -> int:
     """Bytes an allocation on ``device`` could take now without a new driver allocation failing:
     the driver's free memory plus what torch's caching allocator holds unused (fragmentation
@@ -82,10 +77,10 @@ def scratch(size: int, device: int, stream: int | None) -> torch.Tensor:
     if torch._C._cuda_isCurrentStreamCapturing():  # is_capturing(): one call less per launch
         return torch.empty(size, dtype=torch.int8, device=device)
     key = (device, stream)
-    buf = _scratch_by_stream.get(key)
+    buf = STATE.scratch.get(key)
     if buf is None or buf.numel() < size:
         buf = torch.empty(max(size, 1 << 16), dtype=torch.int8, device=device)
-        _scratch_by_stream[key] = buf
+        STATE.scratch[key] = buf
     return buf
 
 
@@ -107,11 +102,6 @@ def ensure_scratch_allocator() -> None:
 
 TILE_COUNTER_WORDS = 2  # [next tile, programs finished]
 
-_counter_by_stream: dict[tuple[int, int], torch.Tensor] = {}
-# Every live counter by address, so that launch replay can tell a counter argument apart from
-# an op's tensors (and give each replay the counter of its own stream).
-_counter_ptrs: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
 
 def tile_counter(device: torch.device, stream: int | None = None) -> torch.Tensor:
     """A zeroed int32 [2] work counter for a dynamically scheduled launch on the current stream
@@ -128,18 +118,18 @@ def tile_counter(device: torch.device, stream: int | None = None) -> torch.Tenso
     index = device.index if device.index is not None else torch.cuda.current_device()
     if is_capturing():
         buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
-        _counter_ptrs[buf.data_ptr()] = buf
+        STATE.counter_ptrs[buf.data_ptr()] = buf
         return buf
     if stream is None:
         stream = current_stream(index)
-    buf = _counter_by_stream.get((index, stream))
+    buf = STATE.tile_counters.get((index, stream))
     if buf is None:
         buf = torch.zeros(TILE_COUNTER_WORDS, dtype=torch.int32, device=index)
-        _counter_by_stream[(index, stream)] = buf
-        _counter_ptrs[buf.data_ptr()] = buf
+        STATE.tile_counters[(index, stream)] = buf
+        STATE.counter_ptrs[buf.data_ptr()] = buf
     return buf
 
 
 def is_tile_counter(ptr: int) -> bool:
     """Whether ``ptr`` is the address of a live ``tile_counter`` buffer."""
-    return ptr in _counter_ptrs
+    return ptr in STATE.counter_ptrs

@@ -4,9 +4,12 @@ and whether a backward may overwrite the gradient it was handed."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 from torch import nn
+
+from moekit.runtime.state import STATE
 
 __all__ = ["owned_gradient", "plain_eager"]
 
@@ -50,49 +53,56 @@ def _references(grad: torch.Tensor) -> tuple[int, int, int] | None:
 
 class _Calibration(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, sink):
+        ctx.sink = sink
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        _record(grad)
-        return grad
+        _record(grad, ctx.sink)
+        return grad, None
 
 
-def _record(grad: torch.Tensor) -> None:
-    _CALIBRATED.append(_references(grad))  # at the call depth of owned_gradient's look
-
-
-_CALIBRATED: list = []
+def _record(grad: torch.Tensor, sink: list) -> None:
+    sink.append(_references(grad))  # at the call depth of owned_gradient's look
 
 
 def _calibrate(keep: bool) -> tuple[int, int, int] | None:
     """The references the gradient of a tiny CPU graph has inside its Function's backward;
     ``keep``: a hook also keeps that gradient."""
     kept: list[torch.Tensor] = []
+    sink: list = []
     no_anomaly = torch.autograd.set_detect_anomaly(False)
     with torch.inference_mode(False), torch.enable_grad(), no_anomaly:
-        y = _Calibration.apply(torch.zeros(2, requires_grad=True))
+        y = _Calibration.apply(torch.zeros(2, requires_grad=True), sink)
         if keep:
             y.register_hook(kept.append)
         (y * 2.0).sum().backward()
-    return _CALIBRATED.pop() if _CALIBRATED else None
+    return sink[0] if sink else None
 
 
 def _exclusive_references() -> tuple[int, int, int] | None:
     """The references a gradient that nothing else holds has inside a Function's backward (the
     count of Python references depends on how torch calls the backward, so it is measured,
-    not assumed), or None where a kept gradient does not count differently. Measured at
-    import, outside any backward and without anomaly detection: either could count
-    differently."""
-    try:
-        alone, kept = _calibrate(keep=False), _calibrate(keep=True)
-    except RuntimeError:
-        return None
-    return alone if alone is not None and kept != alone else None
+    not assumed), or None where a kept gradient does not count differently. Measured once, on
+    first use, in a thread of its own: a top-level backward there, whatever the caller is in
+    (a backward, anomaly detection, a no-grad region) — all of which could count differently."""
+    found: list = []
+
+    def measure() -> None:
+        try:
+            alone, kept = _calibrate(keep=False), _calibrate(keep=True)
+        except RuntimeError:
+            alone = kept = None
+        found.append(alone if alone is not None and kept != alone else None)
+
+    worker = threading.Thread(target=measure, name="moekit-calibrate")
+    worker.start()
+    worker.join()
+    return found[0] if found else None
 
 
-_EXCLUSIVE = _exclusive_references()
+_UNMEASURED = object()
 
 
 def owned_gradient(grad: torch.Tensor) -> bool:
@@ -103,4 +113,7 @@ def owned_gradient(grad: torch.Tensor) -> bool:
     Conservative: False whenever a count is unavailable or differs from a lone gradient's."""
     if grad._base is not None or not grad.is_contiguous() or torch.is_anomaly_enabled():
         return False
-    return _EXCLUSIVE is not None and _references(grad) == _EXCLUSIVE
+    exclusive = STATE.lookups.get("exclusive_gradient_references", _UNMEASURED)
+    if exclusive is _UNMEASURED:
+        exclusive = STATE.lookups["exclusive_gradient_references"] = _exclusive_references()
+    return exclusive is not None and _references(grad) == exclusive

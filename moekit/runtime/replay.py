@@ -39,6 +39,7 @@ from triton import knobs
 from moekit.config import autotune_enabled
 from moekit.runtime.cache import cached
 from moekit.runtime.device import is_tile_counter, scratch, tile_counter
+from moekit.runtime.state import STATE
 
 __all__ = ["LaunchReplay", "compile_ahead", "launch", "replayed", "tensor_key"]
 
@@ -353,14 +354,9 @@ class _SharedKernel:
         return self.kernel
 
 
-# Triton's cache key of a kernel being compiled -> its job (see _SharedCompiles)
-_IN_FLIGHT: dict[str, _SharedKernel] = {}
-_IN_FLIGHT_LOCK = threading.Lock()
-
-
 def _forget(key: str) -> None:
-    with _IN_FLIGHT_LOCK:
-        _IN_FLIGHT.pop(key, None)
+    with STATE.compiles_lock:
+        STATE.compiles.pop(key, None)
 
 
 class _SharedCompiles(triton.AsyncCompileMode):
@@ -373,11 +369,12 @@ class _SharedCompiles(triton.AsyncCompileMode):
         self.jobs: list[_SharedKernel] = []
 
     def submit(self, key, compile_fn, finalize_fn):
-        with _IN_FLIGHT_LOCK:
-            job = _IN_FLIGHT.get(key)
+        with STATE.compiles_lock:  # Triton's cache key of the kernel -> its job
+            job = STATE.compiles.get(key)
             if job is None:
                 future = self.executor.submit(compile_fn)
-                job = _IN_FLIGHT[key] = _SharedKernel(finalize_fn, future, lambda: _forget(key))
+                job = _SharedKernel(finalize_fn, future, lambda: _forget(key))
+                STATE.compiles[key] = job
         self.jobs.append(job)
         return job
 

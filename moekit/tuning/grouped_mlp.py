@@ -8,11 +8,11 @@ tiles are narrower than the plain grouped GEMM's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
 from moekit.runtime.intmath import cdiv
+from moekit.runtime.state import memoized
 from moekit.tuning.grouped_gemm import INTERPRET_CONFIG, GemmConfig
 
 __all__ = [
@@ -78,7 +78,7 @@ def fit_interleave(cfg: GemmConfig, interleave: int | None) -> GemmConfig:
     return cfg if bn == cfg.block_n else dataclasses.replace(cfg, block_n=bn)
 
 
-@functools.cache
+@memoized
 def _fit_all(cands: tuple[GemmConfig, ...], interleave: int | None) -> tuple[GemmConfig, ...]:
     return tuple(dict.fromkeys(fit_interleave(c, interleave) for c in cands))
 
@@ -105,7 +105,7 @@ def dact_candidates(
     return _fit_all(_DACT_ALL, interleave)
 
 
-@functools.cache
+@memoized
 def dact_partial_rows(F: int, interleave: int | None) -> int:
     """Rows of the dprobs-partials buffer that the dact kernel needs for any config it may
     run: one per BLOCK_N-wide F tile of the narrowest candidate (the interpreter's included).

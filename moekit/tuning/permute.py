@@ -7,9 +7,9 @@ training shape always runs one config and the launches can be replayed.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from moekit.runtime.intmath import cdiv, next_power_of_2
+from moekit.runtime.state import memoized
 
 __all__ = [
     "SMALL_BLOCKS_MIN_PAIRS",
@@ -49,7 +49,7 @@ def _scan(block_e: int, max_block_b: int, num_blocks: int) -> tuple[int, int, in
     return block_e, block_b, 8 if block_b * block_e >= 2048 else 4
 
 
-@functools.lru_cache(maxsize=1024)  # runs on every call of permute
+@memoized(maxsize=1024)  # runs on every call of permute
 def meta_config(n: int) -> MetaConfig:
     """The metadata config for N = T·k pairs.
 

@@ -26,6 +26,7 @@ import torch
 import triton
 
 from moekit.config import cache_dir
+from moekit.runtime.state import STATE
 from moekit.version import VERSION
 
 try:
@@ -36,9 +37,6 @@ except ImportError:  # not POSIX: saves are atomic, but concurrent ones may drop
 __all__ = ["FORMAT", "fingerprint", "lookup", "path_for", "save"]
 
 FORMAT = 1
-
-# path -> configs read from it (this process's view; saves update it)
-_loaded: dict[str, dict[str, dict]] = {}
 
 
 def fingerprint(device: torch.device) -> dict[str, str]:
@@ -87,9 +85,9 @@ def _read(path: str, fp: dict[str, str]) -> dict[str, dict]:
 def lookup(fp: dict[str, str], key: str) -> dict | None:
     """The stored config fields of ``key``, or None."""
     path = path_for(fp)
-    if path not in _loaded:
-        _loaded[path] = _read(path, fp)
-    return _loaded[path].get(key)
+    if path not in STATE.tuned:  # this process's view of the file; saves update it
+        STATE.tuned[path] = _read(path, fp)
+    return STATE.tuned[path].get(key)
 
 
 @contextlib.contextmanager
@@ -121,5 +119,5 @@ def save(fp: dict[str, str], key: str, fields: dict) -> None:
             os.replace(tmp, path)
     except OSError as exc:
         warnings.warn(f"moekit: could not save tuned config to {path}: {exc}", stacklevel=2)
-        configs = {**_loaded.get(path, {}), key: fields}
-    _loaded[path] = configs
+        configs = {**STATE.tuned.get(path, {}), key: fields}
+    STATE.tuned[path] = configs

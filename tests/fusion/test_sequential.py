@@ -29,7 +29,7 @@ from moekit.fusion import (
     registered_rules,
     unregister_fusion,
 )
-from moekit.fusion import registry as fusion_registry
+from moekit.runtime.state import STATE
 from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
 
 # the router kernel's masked lanes divide by zero in Triton's interpreter (numpy warns; the
@@ -109,7 +109,7 @@ def add_rule():
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The forced-rule warnings are once per (rule, reason) per process: start from none."""
-    monkeypatch.setattr(fusion_registry, "_warned", set())
+    monkeypatch.setattr(STATE, "warned", set())
 
 
 # --- plans ------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 hf = pytest.importorskip("moekit.integrations.transformers")
 
 from moekit.ops import grouped_mlp  # noqa: E402
+from moekit.runtime.state import STATE  # noqa: E402
 
 COMMON = dict(
     hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -482,7 +483,7 @@ def test_torch_compile_fullgraph_of_the_experts(family, monkeypatch):
         experts = tiny_model(family, "moekit").model.layers[0].mlp.experts
     else:  # a custom gate, first seen inside the trace
         experts = _experts_of(more_model(family, "moekit"))
-        monkeypatch.setattr(hf, "_gate_forms", {})
+        monkeypatch.setattr(STATE, "lookups", {})
     x = torch.randn(10, COMMON["hidden_size"], requires_grad=True)
     w, idx = torch.randn(10, 8).softmax(-1).topk(2, dim=-1)
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)

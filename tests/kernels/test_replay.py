@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from moekit.runtime import replay as _replay
+from moekit.runtime.state import STATE
 
 
 def _axpy(x_ptr, y_ptr, n, alpha, BLOCK: tl.constexpr, SCALE: tl.constexpr = 2):
@@ -53,12 +54,12 @@ def test_compile_jobs_are_shared_between_modes():
     second = _replay._SharedCompiles(pool)
     with second:
         assert second.submit("key", compile_fn, finalized.append) is job
-    assert "key" in _replay._IN_FLIGHT
+    assert "key" in STATE.compiles
     gate.set()
     second.finish()
     first.finish()
     assert compiled == [1] and finalized == ["kernel"]
-    assert "key" not in _replay._IN_FLIGHT
+    assert "key" not in STATE.compiles
 
     def broken():
         raise RuntimeError("no")
@@ -69,7 +70,7 @@ def test_compile_jobs_are_shared_between_modes():
     third.finish()  # ignore_errors: the real launch reports it
     with pytest.raises(RuntimeError):
         bad.result()
-    assert "bad" not in _replay._IN_FLIGHT and finalized == ["kernel"]
+    assert "bad" not in STATE.compiles and finalized == ["kernel"]
 
 
 def test_not_ready_until_recorded_and_interpreter_launches_never_replay(interpret):

@@ -204,6 +204,29 @@ def test_bad_input():
     for name in ("aux_loss_coeff", "z_loss_coeff"):
         with pytest.raises(ValueError, match=name):
             MoELayer(16, 8, 4, 2, **{name: float("nan")})
+    with pytest.raises(ValueError, match=r"x must be a \[\.\.\., hidden_size = 16\] .*got \(\)"):
+        layer(torch.tensor(1.0))  # 0-d
+
+
+@pytest.mark.parametrize(
+    "layer_dtype, x_dtype", [(torch.float32, torch.float16), (torch.float16, torch.float32)]
+)
+def test_input_dtype_other_than_the_parameters_outside_autocast(layer_dtype, x_dtype):
+    layer = MoELayer(16, 8, 4, 2, dtype=layer_dtype)
+    x = torch.randn(5, 16, dtype=x_dtype)
+    match = (
+        rf"MoELayer got x of dtype {x_dtype}, but its parameters are {layer_dtype}.*"
+        rf"torch\.autocast.*layer\.to\({x_dtype}\)"
+    )
+    with pytest.raises(TypeError, match=match):
+        layer(x)
+    # Inside an autocast region for x's device type the layer casts, as before.
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = layer(x)
+    assert y.dtype == torch.float16 and y.shape == x.shape
+    layer_low = MoELayer(16, 8, 4, 2, dtype=torch.float16)
+    layer_low.load_state_dict(layer.state_dict())
+    torch.testing.assert_close(y, layer_low(x.half()), rtol=2e-3, atol=2e-3)
 
 
 DSV3_LIKE = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)

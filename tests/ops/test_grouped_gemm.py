@@ -7,6 +7,12 @@ and bound the kernel's error by torch's own bf16 error.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -201,7 +207,10 @@ def _ok_inputs():
         (lambda a, b, o: (a, b, o.to("meta")), ValueError, "offsets must be on a's device"),
         (lambda a, b, o: (a[:, :6], b[:, :6], o), ValueError, "multiple of 8"),
         (lambda a, b, o: (a, b[..., :6], o), ValueError, "N .* must be a multiple of 8"),
-        (lambda a, b, o: (a, b[0, 0], o), ValueError, "grouped_mm takes a 2-D a"),
+        (lambda a, b, o: (a, b[0, 0], o), ValueError, r"b has shape \(8,\): grouped_mm takes"),
+        (lambda a, b, o: (a[0, 0], b, o), ValueError, r"a has shape \(\): .* a \[T, K\]"),
+        (lambda a, b, o: (a, b[0, 0, 0], o), ValueError, r"b has shape \(\): .* b \[E, K, N\]"),
+        (lambda a, b, o: (a, b, o[0]), ValueError, r"offsets must be 1-D \[E\]"),
         (lambda a, b, o: (a, b, o.view(1, 2)), ValueError, "offsets must be 1-D"),
     ],
 )
@@ -213,12 +222,163 @@ def test_bad_input_raises_clear_error(mutate, exc, match):
         grouped_mm(a, b, offsets)
 
 
-def test_validate_catches_bad_offsets():
-    a, b = _ok_inputs()
-    with pytest.raises(ValueError, match="non-decreasing"):
-        grouped_mm(a, b, torch.tensor([9, 4], dtype=torch.int32), validate=True)
-    with pytest.raises(ValueError, match="exceeds"):
-        grouped_mm(a, b, torch.tensor([9, 17], dtype=torch.int32), validate=True)
+# Offsets out of order or past the rows: CPU tensors (the interpreter's included) are checked
+# on the host on every call; the GPU branch (torch._assert_async) only under validate=True or
+# MOEKIT_DEBUG=1.
+_BAD_OFFSETS = [
+    ([9, 4, 16], r"offsets must be non-decreasing .*offsets\[1\] = 4 < offsets\[0\] = 9"),
+    ([3, 9, 8], r"offsets must be non-decreasing .*offsets\[2\] = 8 < offsets\[1\] = 9"),
+    ([-1, 4, 16], r"offsets must be non-decreasing .*offsets\[0\] = -1 < 0"),
+    ([9, 12, 17], r"offsets\[-1\] = 17 exceeds a\.shape\[0\] \(T\) = 16"),
+]
+
+
+def _ragged_m_case(offsets):
+    a, b = torch.randn(16, 8), torch.randn(3, 8, 8)
+    return a, b, torch.tensor(offsets, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("offsets, match", _BAD_OFFSETS)
+def test_bad_offsets_raise_on_cpu(offsets, match, validate):
+    a, b, off = _ragged_m_case(offsets)
+    with pytest.raises(ValueError, match=match):
+        grouped_mm(a, b, off, validate=validate)
+
+
+def test_bad_offsets_raise_on_cpu_ragged_k():
+    a, b = torch.randn(8, 16), torch.randn(16, 8)  # [M, T] x [T, N]
+    with pytest.raises(ValueError, match=r"offsets\[1\] = 4 < offsets\[0\] = 9"):
+        grouped_mm(a, b, torch.tensor([9, 4, 16], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 17 exceeds a\.shape\[1\] \(T"):
+        grouped_mm(a, b, torch.tensor([9, 17], dtype=torch.int32))
+    # ending short is a padding tail: those columns belong to no expert
+    out = grouped_mm(a, b, torch.tensor([5, 12], dtype=torch.int32))
+    torch.testing.assert_close(out[1], a[:, 5:12] @ b[5:12], rtol=1e-4, atol=1e-4)
+
+
+def _device_side_checks(monkeypatch):
+    """Make the checks take their GPU branch (torch._assert_async) on CPU tensors, where a
+    failed assert raises RuntimeError at once."""
+    import moekit.ops.validation as validation
+
+    monkeypatch.setattr(validation, "values_on_host", lambda t: False)
+
+
+@pytest.mark.parametrize("offsets", [o for o, _ in _BAD_OFFSETS])
+def test_bad_offsets_device_side_check(offsets, monkeypatch):
+    _device_side_checks(monkeypatch)
+    a, b, off = _ragged_m_case(offsets)
+    match = r"offsets must be non-decreasing .* ending at most at a\.shape\[0\] \(T\) = 16"
+    with pytest.raises(RuntimeError, match=match):
+        grouped_mm(a, b, off, validate=True)
+    monkeypatch.setenv("MOEKIT_DEBUG", "1")  # every call validates
+    with pytest.raises(RuntimeError, match=match):
+        grouped_mm(a, b, off)
+    with pytest.raises(RuntimeError, match=r"ending at most at a\.shape\[1\] \(T"):
+        grouped_mm(a.t().contiguous(), a, off)  # ragged K: [8, 16] x [16, 8]
+    a, b, good = _ragged_m_case([4, 4, 12])
+    grouped_mm(a, b, good, validate=True)
+
+
+def test_offsets_device_side_check_reads_nothing_on_the_host(monkeypatch):
+    from moekit.ops.validation import check_offsets_values
+
+    _device_side_checks(monkeypatch)
+    bad = torch.tensor([9, 4, 17], dtype=torch.int32)
+    for attr in ("__bool__", "item", "tolist"):  # the host reads that would sync a GPU
+        monkeypatch.setattr(torch.Tensor, attr, lambda *a, **k: pytest.fail("host read"))
+    check_offsets_values(bad, 16, device_check=False)  # the hot path: nothing at all
+    with pytest.raises(RuntimeError, match="offsets must be non-decreasing"):
+        check_offsets_values(bad, 16, device_check=True)
+
+
+_GPU_BAD_OFFSETS_SCRIPT = """
+import torch
+from moekit.ops import grouped_mm
+a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(4, 128, 128, device="cuda", dtype=torch.bfloat16)
+offsets = torch.tensor({offsets}, device="cuda", dtype=torch.int32)
+grouped_mm(a, b, torch.tensor([16, 32, 48, 64], device="cuda", dtype=torch.int32))  # warm-up
+torch.cuda.synchronize()
+torch.cuda.set_sync_debug_mode("error")
+try:
+    grouped_mm(a, b, offsets, validate={validate})  # must not sync
+finally:
+    torch.cuda.set_sync_debug_mode(0)
+print("launched", flush=True)
+torch.cuda.synchronize()
+print("not detected", flush=True)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offsets", [[16, 8, 32, 64], [16, 32, 48, 65]])
+@pytest.mark.parametrize("how", ["validate", "MOEKIT_DEBUG"])
+def test_gpu_bad_offsets_detected_on_the_device_without_sync(offsets, how):
+    # A device-side assert poisons the CUDA context: each case runs in its own process. The
+    # assert surfaces at the final synchronize (or at a later launch); a host sync inside
+    # grouped_mm, or a clean exit, is a failure.
+    script = _GPU_BAD_OFFSETS_SCRIPT.format(offsets=offsets, validate=how == "validate")
+    env = dict(os.environ, MOEKIT_DEBUG="1" if how == "MOEKIT_DEBUG" else "0")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+        cwd=root, env=env, timeout=300,
+    )  # fmt: skip
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "called a synchronizing CUDA operation" not in output, output
+    assert "launched" in output and "not detected" not in output, output
+    assert "offsets must be non-decreasing" in output or "device-side assert" in output, output
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["validate", "MOEKIT_DEBUG"])
+def test_gpu_checked_call_of_good_offsets_has_no_sync(how, monkeypatch):
+    monkeypatch.setenv("MOEKIT_DEBUG", "1" if how == "MOEKIT_DEBUG" else "0")
+    a = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4, 128, 128, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.tensor([16, 16, 40, 60], device="cuda", dtype=torch.int32)  # a tail
+    want = grouped_mm_ragged_m_ref(a, b, offsets, torch.bfloat16)
+    grouped_mm(a, b, offsets), grouped_mm(a.t(), a, offsets)  # warm-up (compiles the kernels)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = grouped_mm(a, b, offsets, validate=how == "validate")
+        got_k = grouped_mm(a.t(), a, offsets, validate=how == "validate")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert_close(got, want, torch.bfloat16)
+    assert_close(got_k, grouped_mm_ragged_k_ref(a.t(), a, offsets, torch.bfloat16), torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "a_shape, b_shape, offsets, match",
+    [
+        # one weight shared by all rows ([T, K] @ [K, N]) taken for the ragged-K form
+        ((32, 8), (16, 8), [16, 32], r"b\.shape\[0\] must equal a\.shape\[1\]"),
+        ((32, 8), (8, 16), [16, 32], r"offsets\[-1\] = 32 exceeds a\.shape\[1\]"),
+    ],
+)
+def test_ragged_k_errors_name_the_form_taken(a_shape, b_shape, offsets, match):
+    a, b = torch.randn(*a_shape), torch.randn(*b_shape)
+    with pytest.raises(ValueError, match=match) as info:
+        grouped_mm(a, b, torch.tensor(offsets, dtype=torch.int32))
+    msg = str(info.value)
+    assert "grouped_mm took the ragged-K form (chosen because b is 2-D)" in msg
+    assert "a [M, T] @ b [T, N] -> [E, M, N]" in msg and "pass b as [E, K, N]" in msg
+    assert f"got a {a_shape} and b {b_shape}" in msg
+
+
+def test_ragged_m_errors_name_the_form_taken():
+    a, b = torch.randn(16, 8), torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match=r"b\.shape\[1\] must equal a\.shape\[1\]") as info:
+        grouped_mm(a, b, torch.tensor([8, 16], dtype=torch.int32))
+    msg = str(info.value)
+    assert "grouped_mm took the ragged-M form (chosen because b is 3-D)" in msg
+    assert "a [T, K] @ b [E, K, N] -> [T, N]" in msg
 
 
 def test_argument_combinations_rejected():

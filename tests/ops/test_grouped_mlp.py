@@ -20,6 +20,7 @@ from moekit.config import interpret_mode
 from moekit.ops import grouped_mlp
 from moekit.reference.grouped_mlp import grouped_mlp_ref
 from moekit.runtime.device import use_triton
+from moekit.runtime.state import STATE
 
 GATED = ("swiglu", "geglu", "clamped_swiglu")
 ALL = (*GATED, "relu2", "gelu", "silu")
@@ -285,9 +286,7 @@ def test_a_gradient_held_elsewhere_is_never_overwritten(segments):
 def test_fallback_for_unaligned_f_and_interleave_warns_once(interpret, monkeypatch):
     if not interpret:
         pytest.skip("the fallback is a property of the fused (Triton) path")
-    # (moekit.ops.grouped_mlp the attribute is the function; the module is in sys.modules)
-    mod = importlib.import_module("moekit.ops.grouped_mlp")
-    monkeypatch.setattr(mod, "_warned", set())
+    monkeypatch.setattr(STATE, "warned", set())
     with warnings.catch_warnings(record=True) as rec:
         warnings.simplefilter("always")
         _check([6, 0, 9], 16, 10, "swiglu", bias=True)  # F = 10: fp32 rows of 40 bytes

@@ -482,15 +482,7 @@ def test_bad_input_errors():
     for cf in (0.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="capacity_factor must be a finite float > 0"):
             permute(h, indices, probs, num_experts=E, capacity_factor=cf)
-    # Out-of-range and negative ids are caught with validate=True.
-    for value in (E, -1):
-        bad = indices.clone()
-        bad[3, 1] = value
-        with pytest.raises(ValueError, match=r"outside \[0, num_experts=4\)"):
-            permute(h, bad, probs, num_experts=E, validate=True)
-        # Without validate it is undefined but never writes out of bounds (the slot is dropped).
-        d = permute(h, bad, probs, num_experts=E)
-        assert int(d.row_index[3, 1]) == -1
+    # Ids >= E or < -1 are refused on CPU tensors with or without validate (test_expert_ids_*).
     d = permute(h, indices, num_experts=E)
     with pytest.raises(ValueError, match=r"needs dispatch\.probs"):
         unpermute(d.hidden, d)
@@ -704,7 +696,28 @@ def test_gpu_validate_detects_bad_indices_without_sync():
     assert "called a synchronizing CUDA operation" not in output, output
     # The device-side assert fired with our message (the kernel prints it to stderr), or at least
     # the CUDA runtime reported the assert.
-    assert "entries outside [0, num_experts=8)" in output or "device-side assert" in output, output
+    assert "expert ids in [0, num_experts = 8)" in output or "device-side assert" in output, output
+
+
+@pytest.mark.gpu
+def test_gpu_validate_and_debug_pass_minus_one_without_sync(monkeypatch):
+    # -1 (a dropped slot, as expert parallelism passes non-local slots) passes the device check
+    T, E, k = 64, 8, 2
+    idx, probs = _gpu_routing(T, E, k)
+    idx[5, 1] = -1
+    h = torch.randn(T, 128, device="cuda")
+    want = permute(h, idx, probs, num_experts=E)
+    torch.cuda.synchronize()
+    for validate, debug in ((True, "0"), (False, "1")):
+        monkeypatch.setenv("MOEKIT_DEBUG", debug)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            d = permute(h, idx, probs, num_experts=E, validate=validate)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert int(d.row_index[5, 1]) == -1
+        assert torch.equal(d.offsets, want.offsets) and torch.equal(d.row_index, want.row_index)
 
 
 def test_rows_and_probs_gradients_in_separate_backward_passes():
@@ -755,6 +768,90 @@ def test_sort_chunks_by_index_validate():
     assert torch.equal(got[:4], x[3:7]) and torch.equal(got[4:7], x[:3])
     with pytest.raises(TypeError, match="validate must be a bool"):
         sort_chunks_by_index(x, torch.tensor([3, 4]), torch.tensor([1, 0]), validate=1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Expert ids out of range: refused on the host for CPU tensors (the interpreter's included), on
+# the device (torch._assert_async) under validate=True / MOEKIT_DEBUG=1; -1 is a dropped slot
+# ------------------------------------------------------------------------------------------------
+
+
+def _ids_case(value, dtype=torch.int64):
+    T, E, k = 6, 4, 2
+    indices, probs = _routing(T, E, k)
+    indices = indices.clone()
+    indices[3, 1] = value
+    return torch.randn(T, 16), indices.to(dtype), probs, E
+
+
+@pytest.mark.parametrize("validate", [False, True])
+@pytest.mark.parametrize("value", [4, 9, -2])
+def test_expert_ids_out_of_range_raise_on_cpu(value, validate):
+    h, bad, probs, E = _ids_case(value)
+    match = rf"indices must hold expert ids in \[0, num_experts = 4\) .*indices\[3, 1\] = {value}"
+    with pytest.raises(ValueError, match=match):
+        permute(h, bad, probs, num_experts=E, validate=validate)
+
+
+def test_expert_ids_uint8_compared_as_numbers():
+    h, bad, probs, E = _ids_case(255, torch.uint8)  # not read as -1
+    with pytest.raises(ValueError, match=r"indices\[3, 1\] = 255"):
+        permute(h, bad, probs, num_experts=E)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+@pytest.mark.parametrize("validate", [False, True])
+def test_expert_id_minus_one_is_a_dropped_slot(validate, debug, monkeypatch):
+    monkeypatch.setenv("MOEKIT_DEBUG", "1" if debug else "0")
+    h, ids, probs, E = _ids_case(-1)
+    d = permute(h, ids, probs, num_experts=E, validate=validate)
+    assert int(d.row_index[3, 1]) == -1
+    assert int(d.tokens_per_expert.sum()) == ids.numel() - 1
+    y = unpermute(d.hidden, d, weighted=False)
+    torch.testing.assert_close(y[3], h[3])  # only slot 0 of token 3 came back
+
+
+def _device_side_checks(monkeypatch):
+    """Make the checks take their GPU branch (torch._assert_async) on CPU tensors, where a
+    failed assert raises RuntimeError at once."""
+    import moekit.ops.validation as validation
+
+    monkeypatch.setattr(validation, "values_on_host", lambda t: False)
+
+
+@pytest.mark.parametrize("value", [4, -2])
+def test_expert_ids_device_side_check_under_validate(value, monkeypatch):
+    _device_side_checks(monkeypatch)
+    h, bad, probs, E = _ids_case(value)
+    with pytest.raises(RuntimeError, match=r"indices must hold expert ids in \[0, num_experts"):
+        permute(h, bad, probs, num_experts=E, validate=True)
+    permute(h, bad, probs, num_experts=E)  # a GPU's hot path checks nothing (no launch, no sync)
+    monkeypatch.setenv("MOEKIT_DEBUG", "1")
+    with pytest.raises(RuntimeError, match=r"indices must hold expert ids in \[0, num_experts"):
+        permute(h, bad, probs, num_experts=E)  # MOEKIT_DEBUG=1: as validate=True
+    _, ok, _, _ = _ids_case(-1)
+    permute(h, ok, probs, num_experts=E, validate=True)  # -1 passes the device check too
+
+
+def test_expert_ids_device_side_check_reads_nothing_on_the_host(monkeypatch):
+    from moekit.ops.validation import check_expert_ids
+
+    _device_side_checks(monkeypatch)
+    _, bad, _, _ = _ids_case(7, torch.int32)
+    for attr in ("__bool__", "item", "tolist"):  # the host reads that would sync a GPU
+        monkeypatch.setattr(torch.Tensor, attr, lambda *a, **k: pytest.fail("host read"))
+    check_expert_ids(bad, 4, device_check=False)
+    with pytest.raises(RuntimeError, match="indices must hold expert ids"):
+        check_expert_ids(bad, 4, device_check=True)
+
+
+def test_debug_env_turns_on_sort_chunks_validation(monkeypatch):
+    x = torch.randn(10, 8)
+    sizes, index = torch.tensor([3, 3]), torch.tensor([0, 0])
+    sort_chunks_by_index(x, sizes, index)  # undefined result, no check
+    monkeypatch.setenv("MOEKIT_DEBUG", "1")
+    with pytest.raises(ValueError, match="sorted_index must be a permutation"):
+        sort_chunks_by_index(x, sizes, index)
 
 
 def _check_unpermute_shape(device: str, dtype: torch.dtype, H: int) -> None:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from moekit.runtime.cache import cache_clear
+from moekit.runtime.state import STATE
 from moekit.tuning import grouped_gemm as tuning
 from moekit.tuning import store
 
@@ -24,13 +25,13 @@ FP = {"gpu": "Test GPU", "capability": "9.0", "torch": "t", "triton": "tr", "moe
 @pytest.fixture(autouse=True)
 def cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("MOEKIT_CACHE_DIR", str(tmp_path))
-    store._loaded.clear()
+    STATE.tuned.clear()
     yield tmp_path
-    store._loaded.clear()
+    STATE.tuned.clear()
 
 
 def _fresh_process_view():
-    store._loaded.clear()  # what another process would see: only the file
+    STATE.tuned.clear()  # what another process would see: only the file
 
 
 def test_round_trip(cache_dir):

@@ -10,6 +10,7 @@ import torch
 
 from moekit.ops import grouped_mm
 from moekit.runtime.cache import cache_clear
+from moekit.runtime.state import STATE
 from moekit.tuning import store
 
 
@@ -17,7 +18,7 @@ from moekit.tuning import store
 def test_gpu_autotune_logs_saves_and_reuses(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("MOEKIT_AUTOTUNE", "1")
     monkeypatch.setenv("MOEKIT_CACHE_DIR", str(tmp_path))
-    store._loaded.clear()
+    STATE.tuned.clear()
     cache_clear()
     T, E, K, N = 3000, 8, 512, 768
     offsets = torch.tensor([0, 500, 900, 0, 1200, 100, 0, 300], device="cuda").cumsum(0)
@@ -28,13 +29,13 @@ def test_gpu_autotune_logs_saves_and_reuses(monkeypatch, tmp_path, caplog):
         out = grouped_mm(a, b, offsets)
     assert sum("moekit: tuned m" in r.getMessage() for r in caplog.records) == 1
     fp = store.fingerprint(a.device)
-    store._loaded.clear()
+    STATE.tuned.clear()
     cache_clear()
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="moekit.tuning"):
         again = grouped_mm(a, b, offsets)
     assert not any("moekit: tuned" in r.getMessage() for r in caplog.records)
     assert torch.equal(out, again)
-    keys = [k for k in store._loaded[store.path_for(fp)] if "'m'" in k]
+    keys = [k for k in STATE.tuned[store.path_for(fp)] if "'m'" in k]
     assert len(keys) == 1
     cache_clear()
