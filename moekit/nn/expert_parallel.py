@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from moekit.ops.expert_exchange import BACKENDS, ExpertExchange, symmetric_unsupported
 from moekit.ops.permute import permute, unpermute
-from moekit.ops.routing import capacity_drop, max_rows
+from moekit.ops.routing import capacity_drop, expert_capacity, max_rows
 
 __all__ = ["ExpertParallelConfig", "ExpertParallelRouting"]
 
@@ -167,13 +167,11 @@ class ExpertParallelRouting:
         max_tokens = T if backend == "all_to_all" else self._agreed_max_tokens(T, tokens.device)
         capacity = None  # the most rows any source keeps per expert, where known statically
         if capacity_factor is not None:
-
-            def rows_per_expert(tokens: int) -> int:  # ceil(cf·T·k/E), up to a multiple of align
-                return -(-math.ceil(capacity_factor * tokens * k / self.num_experts) // a) * a
-
-            indices = capacity_drop(indices, probs.detach(), self.num_experts, rows_per_expert(T))
+            E = self.num_experts
+            kept = expert_capacity(capacity_factor, T, k, E, a)
+            indices = capacity_drop(indices, probs.detach(), E, kept)
             if backend != "all_to_all":  # max_tokens bounds every rank's T, hence its capacity
-                capacity = rows_per_expert(max_tokens)
+                capacity = expert_capacity(capacity_factor, max_tokens, k, E, a)
         chunks = self.config.chunks or 1
         chunk_max = -(-max_tokens // chunks)  # every rank's chunks are at most this long
         step = -(-T // chunks)

@@ -30,6 +30,7 @@ from moekit.kernels import permute as kernels
 from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.routing import (
     capacity_drop,
+    expert_capacity,
     max_rows,
     routing_map_to_indices,
     routing_metadata,
@@ -97,6 +98,9 @@ class Dispatch:
     # every slot got a row: no capacity drops, no routing_map with < k experts, no out_rows
     # below the rows the routing may need
     dropless: bool
+    # rows each expert keeps under capacity_factor (ceil(cf·T·k/E), rounded up to align), the
+    # segment length every expert is padded to; None without a capacity limit
+    capacity: int | None = None
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
@@ -399,18 +403,6 @@ def _slots_from_indices(hidden, indices, probs, num_experts, topk, validate):
     return indices, probs, E, k
 
 
-def _capacity(capacity_factor: object, out_rows: object, T: int, k: int, E: int, a: int) -> int:
-    """Rows per expert kept by ``capacity_factor``: ceil(cf·T·k/E), rounded up to ``align``."""
-    if out_rows is not None:
-        raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-        raise TypeError(f"capacity_factor must be a float, got {type(capacity_factor).__name__}")
-    if not 0 < capacity_factor < math.inf:
-        raise ValueError(f"capacity_factor must be a finite float > 0, got {capacity_factor}")
-    capacity = math.ceil(capacity_factor * T * k / E)
-    return -(-capacity // a) * a
-
-
 def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
     # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
     return min(slots, num_rows) if dropless else 0
@@ -484,8 +476,11 @@ def permute(
     # A routing map may give a token fewer than topk experts: those slots are dropped.
     may_drop = routing_map is not None
     exact = isinstance(out_rows, str) and out_rows == "exact"
+    capacity = None
     if capacity_factor is not None:
-        capacity = _capacity(capacity_factor, out_rows, T, k, E, a)
+        if out_rows is not None:
+            raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
+        capacity = expert_capacity(capacity_factor, T, k, E, a)
         drop_probs = (
             probs.detach() if probs is not None else torch.zeros(idx.shape, device=idx.device)
         )
@@ -510,7 +505,7 @@ def permute(
         hidden=out, probs=out_probs if probs is not None else None, counts=counts,
         offsets=offsets, tokens_per_expert=tokens_per_expert, row_index=row_index,
         num_tokens=T, topk=k, num_experts=E, align=None if a == 1 else a, num_rows=num_rows,
-        dropless=not may_drop,
+        dropless=not may_drop, capacity=capacity,
     )  # fmt: skip
 
 

@@ -9,6 +9,8 @@ Triton's interpreter) and :func:`routing_metadata_torch` on CPU; both give the s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from moekit.kernels import permute as kernels
@@ -19,6 +21,7 @@ from moekit.tuning.permute import meta_config
 
 __all__ = [
     "capacity_drop",
+    "expert_capacity",
     "max_rows",
     "routing_map_to_indices",
     "routing_metadata",
@@ -34,6 +37,20 @@ def max_rows(num_tokens: int, topk: int, num_experts: int, align: int) -> int:
     that has a row (at most min(E, T·k) of them)."""
     slots = num_tokens * topk
     return slots + min(num_experts, slots) * (align - 1)
+
+
+def expert_capacity(capacity_factor: object, num_tokens: int, topk: int, num_experts: int,
+                    align: int) -> int:  # fmt: skip
+    """Rows each expert keeps under ``capacity_factor``: ``C = ceil(cf·T·k/E)``, rounded up to
+    a multiple of ``align``. Raises TypeError/ValueError for a capacity_factor that is not a
+    finite float > 0."""
+    cf = capacity_factor
+    if isinstance(cf, bool) or not isinstance(cf, (int, float)):
+        raise TypeError(f"capacity_factor must be a float, got {type(cf).__name__}")
+    if not 0 < cf < math.inf:
+        raise ValueError(f"capacity_factor must be a finite float > 0, got {cf}")
+    capacity = math.ceil(cf * num_tokens * topk / num_experts)
+    return -(-capacity // align) * align
 
 
 def routing_metadata_torch(

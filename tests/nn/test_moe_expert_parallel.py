@@ -110,8 +110,8 @@ def _port() -> int:
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "capacity_factor, align, chunks",
-    [(None, None, None), (0.75, 8, None), (None, None, 3)],
-    ids=["dropless", "capacity-aligned", "dropless-3chunks"],
+    [(0.75, 8, None), (None, None, 3)],  # one chunk, capacity; dropless in three chunks
+    ids=["capacity-aligned", "dropless-3chunks"],
 )
 def test_symmetric_exchange_layer_in_interpreter(capacity_factor, align, chunks, interpret):
     if not interpret:

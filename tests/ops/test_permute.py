@@ -52,7 +52,9 @@ def _check_invariants(d: Dispatch, hidden: torch.Tensor, indices: torch.Tensor) 
     counts, offsets, tpe = d.counts.long(), d.offsets.long(), d.tokens_per_expert.long()
     assert int(tpe.sum()) == int((d.row_index >= 0).sum())
     if d.dropless:
-        assert int(tpe.sum()) == T * k
+        assert int(tpe.sum()) == T * k and d.capacity is None
+    if d.capacity is not None:  # every expert keeps at most its capacity, in whole segments
+        assert d.num_rows == E * d.capacity and bool((tpe <= d.capacity).all())
     assert torch.equal(offsets, torch.cumsum(counts, 0))
     starts = offsets - counts
     assert bool((starts % a == 0).all()) and bool((counts % a == 0).all())
@@ -158,6 +160,7 @@ def test_capacity_factor(align):
     a = align or 1
     capacity = -(-(T * k // E) // a) * a
     assert d.num_rows == E * capacity and not d.dropless
+    assert d.capacity == capacity == routing.expert_capacity(1.0, T, k, E, a)
     assert bool((d.tokens_per_expert <= capacity).all())
     _check_invariants(d, hidden, indices)
     kept_idx = routing.capacity_drop(indices, probs, E, capacity)
