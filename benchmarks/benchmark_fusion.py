@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
 import moekit.fusion as mf
-from moekit.nn import MoELayer, RMSNorm, RowParallelLinear
+from moekit.nn import MoELayer, RMSNorm, RouterConfig, RowParallelLinear
 from moekit.ops import add_rmsnorm, grouped_mlp
 
 ROUNDS = 5
@@ -114,11 +114,11 @@ def linear_norm_case(T, H, dev):
 
 def moe_case(T, H, E, k, F, dev):
     seq = mf.Sequential(
-        mf.Router(H, E, k, aux_loss_coeff=1e-2, device=dev, dtype=DT), mf.Permute(E),
+        mf.Router(H, E, k, RouterConfig(aux_loss_coeff=1e-2), device=dev, dtype=DT), mf.Permute(E),
         mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
         mf.GroupedLinear(E, F, H, device=dev, dtype=DT), mf.Unpermute(),
     )  # fmt: skip
-    layer = MoELayer(H, F, E, k, aux_loss_coeff=1e-2, device=dev, dtype=DT)
+    layer = MoELayer(H, F, E, k, router=RouterConfig(aux_loss_coeff=1e-2), device=dev, dtype=DT)
     with torch.no_grad():
         layer.router.weight.copy_(seq[0].weight)
         layer.experts.fc1_weight.copy_(seq[2].weight)

@@ -29,7 +29,7 @@ from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
 from moekit.nn import ExpertParallelConfig, MoELayer
-from moekit.ops.router import route
+from moekit.ops.router import RouterConfig, route
 
 DSV3 = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
 # name: (tokens T, experts E, top-k, H, F, router options, speed-up target over torch)
@@ -61,8 +61,9 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
     skewed the same way for every contender."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     layer = MoELayer(
-        H, Fd, E, k, aux_loss_coeff=AUX_LOSS_COEFF, ep_group=ep_group, capacity_factor=capacity,
-        ep_config=ep_config, device=device, dtype=dtype, **opts,
+        H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
+        ep_group=ep_group, capacity_factor=capacity, ep_config=ep_config, device=device,
+        dtype=dtype,
     )  # fmt: skip
     with torch.no_grad():
         u = torch.randn(H, generator=gen)
@@ -87,7 +88,7 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
 
 def route_opts(layer: MoELayer) -> dict:
     r = layer.router
-    return dict(r.route_kwargs, expert_bias=r.expert_bias)
+    return dict(r.config.routing_kwargs(), expert_bias=r.expert_bias)
 
 
 def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
@@ -147,7 +148,7 @@ def router_steps(T, E, k, opts, device, dtype) -> dict:
     dp = torch.randn(T, k, device=device)
 
     def moekit():
-        p, _i, _c = route(logits, k, expert_bias=bias, **kw)
+        p, _i, _c = route(logits, k, RouterConfig(**kw), bias)
         return torch.autograd.grad(p, logits, dp)
 
     def torch_composition():
@@ -279,8 +280,9 @@ def run_ep_shape(name, spec, args, device) -> dict:
             first = layer
         else:  # the same parameters (one copy of the experts in memory)
             layer = MoELayer(
-                H, Fd, E, k, aux_loss_coeff=AUX_LOSS_COEFF, ep_group=group, capacity_factor=cf,
-                ep_config=config, device="meta", dtype=args.dtype, **opts,
+                H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
+                ep_group=group, capacity_factor=cf, ep_config=config, device="meta",
+                dtype=args.dtype,
             )  # fmt: skip
             layer.router, layer.experts = first.router, first.experts
         contenders = steps(layer, x, dy, False, group)

@@ -49,7 +49,7 @@ from train_moe_parallel import Parallel
 from train_moe_plot import label, save_figure
 
 from benchmarks.torch_moe import torch_moe, with_loss
-from moekit.nn import MoELayer, RMSNorm
+from moekit.nn import MoELayer, RMSNorm, RouterConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,10 +119,10 @@ class TorchMoE(MoELayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tokens = x.reshape(-1, x.shape[-1])
-        r = self.router
+        r, c = self.router, self.router.config
         y, aux = torch_moe(
             tokens, r.weight, self.experts.fc1_weight, self.experts.fc2_weight, self.k,
-            aux_loss_coeff=r.aux_loss_coeff, expert_bias=r.expert_bias, **r.route_kwargs,
+            aux_loss_coeff=c.aux_loss_coeff, expert_bias=r.expert_bias, **c.routing_kwargs(),
         )  # fmt: skip
         self.last_aux_loss = aux.detach()
         return with_loss(y, aux).view(x.shape)
@@ -136,7 +136,8 @@ class Block(nn.Module):
         self.norm1, self.norm2 = RMSNorm(d), RMSNorm(d)
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d, bias=False)
-        self.moe = moe_cls(d, cfg.ffn, cfg.num_experts, cfg.k, aux_loss_coeff=1e-2)
+        router = RouterConfig(aux_loss_coeff=1e-2)
+        self.moe = moe_cls(d, cfg.ffn, cfg.num_experts, cfg.k, router=router)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, S, D = x.shape

@@ -7,6 +7,7 @@ from moekit.nn.moe import MoELayer, SharedExpert, routed_experts
 from moekit.nn.rmsnorm import RMSNorm
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
+from moekit.ops.router import RouterConfig
 
 __all__ = [
     "ExpertParallelConfig",
@@ -14,6 +15,7 @@ __all__ = [
     "GroupedMLP",
     "MoELayer",
     "RMSNorm",
+    "RouterConfig",
     "RouterOutput",
     "RowParallelLinear",
     "SharedExpert",

@@ -19,6 +19,7 @@ from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.permute import permute, unpermute
+from moekit.ops.router import RouterConfig
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
 
@@ -69,8 +70,8 @@ class MoELayer(nn.Module):
         hidden_size, ffn_hidden_size: H and each expert's width F.
         num_experts, k: E experts, k per token.
         activation: the experts' activation (``moekit.nn.GroupedMLP``).
-        score, num_groups, topk_groups, normalize, scaling, expert_bias, aux_loss_coeff,
-            z_loss_coeff: the router's (``moekit.nn.TopKRouter``).
+        router: the router's options (:class:`moekit.ops.RouterConfig`: score, groups,
+            normalisation, expert bias, aux and z loss coefficients); None: its defaults.
         shared_expert_ffn_size: width of a dense shared expert added to every token's output
             (0: none).
         capacity_factor: keep at most ``ceil(cf·T·k/E)`` tokens per expert, dropping the
@@ -106,14 +107,7 @@ class MoELayer(nn.Module):
         k: int,
         *,
         activation: str = "swiglu",
-        score: str = "softmax",
-        num_groups: int | None = None,
-        topk_groups: int | None = None,
-        normalize: bool = True,
-        scaling: float = 1.0,
-        expert_bias: bool = False,
-        aux_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
+        router: RouterConfig | None = None,
         shared_expert_ffn_size: int = 0,
         capacity_factor: float | None = None,
         align: int | None = None,
@@ -124,12 +118,9 @@ class MoELayer(nn.Module):
     ) -> None:
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.router = TopKRouter(
-            hidden_size, num_experts, k, score=score, num_groups=num_groups,
-            topk_groups=topk_groups, normalize=normalize, scaling=scaling,
-            expert_bias=expert_bias, aux_loss_coeff=aux_loss_coeff, z_loss_coeff=z_loss_coeff,
-            **kw,
-        )  # fmt: skip
+        if router is not None and not isinstance(router, RouterConfig):
+            raise TypeError(f"router must be a moekit.nn.RouterConfig, got {type(router).__name__}")
+        self.router = TopKRouter(hidden_size, num_experts, k, router, **kw)
         local = num_experts
         self.ep = None
         if ep_group is not None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.ops.router import check_routing_options, route
+from moekit.ops.router import RouterConfig, route
 from moekit.ops.router_losses import (
     attach_loss,
     check_grad_scale,
@@ -32,12 +31,12 @@ class RouterOutput:
 class TopKRouter(nn.Module):
     """``weight [E, H]``; ``forward(x [T, H])`` → :class:`RouterOutput`.
 
-    The logits ``x @ weight^T`` go through :func:`moekit.ops.topk_routing` (see it for
-    ``score``, ``num_groups``, ``topk_groups``, ``normalize``, ``scaling``). With
-    ``expert_bias=True`` an fp32 buffer ``expert_bias [E]`` steers selection only and
-    :meth:`update_expert_bias` adjusts it (aux-loss-free balancing). The load-balancing loss
-    (``aux_loss_coeff``) is computed on the normalised scores of all experts, the z-loss
-    (``z_loss_coeff``) on the logits; both are returned, scaled, for the layer to apply.
+    The logits ``x @ weight^T`` go through :func:`moekit.ops.topk_routing` with the options of
+    ``config`` (:class:`moekit.ops.RouterConfig`). With ``config.expert_bias`` an fp32 buffer
+    ``expert_bias [E]`` steers selection only and :meth:`update_expert_bias` adjusts it
+    (aux-loss-free balancing). The load-balancing loss (``aux_loss_coeff``) is computed on the
+    normalised scores of all experts, the z-loss (``z_loss_coeff``) on the logits; both are
+    returned, scaled, for the layer to apply.
     """
 
     def __init__(
@@ -45,15 +44,8 @@ class TopKRouter(nn.Module):
         hidden_size: int,
         num_experts: int,
         k: int,
+        config: RouterConfig | None = None,
         *,
-        score: str = "softmax",
-        num_groups: int | None = None,
-        topk_groups: int | None = None,
-        normalize: bool = True,
-        scaling: float = 1.0,
-        expert_bias: bool = False,
-        aux_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -63,22 +55,17 @@ class TopKRouter(nn.Module):
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if k > num_experts:
             raise ValueError(f"k must be at most num_experts = {num_experts}, got {k}")
-        for name, v in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
-                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
-        self.num_experts, self.k = num_experts, k
-        self.route_kwargs = dict(
-            score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
-            scaling=scaling,
-        )  # fmt: skip
-        self.aux_loss_coeff, self.z_loss_coeff = float(aux_loss_coeff), float(z_loss_coeff)
-        # the op's own checks (k, score, groups, ...), running nothing: construction may be on
-        # the meta device
-        check_routing_options(num_experts, k, **self.route_kwargs)
+        config = RouterConfig() if config is None else config
+        if not isinstance(config, RouterConfig):
+            raise TypeError(f"config must be a RouterConfig, got {type(config).__name__}")
+        self.num_experts, self.k, self.config = num_experts, k, config
+        self.aux_loss_coeff, self.z_loss_coeff = config.aux_loss_coeff, config.z_loss_coeff
+        # the checks that need E, running nothing: construction may be on the meta device
+        config.groups(num_experts, k)
         self.weight = nn.Parameter(
             torch.empty(num_experts, hidden_size, device=device, dtype=dtype)
         )
-        if expert_bias:
+        if config.expert_bias:
             self.register_buffer(
                 "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
             )
@@ -127,13 +114,11 @@ class TopKRouter(nn.Module):
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
         logits = F.linear(x, self.weight)
-        probs, indices, counts = route(
-            logits, self.k, expert_bias=self.expert_bias, **self.route_kwargs
-        )
+        probs, indices, counts = route(logits, self.k, self.config, self.expert_bias)
         aux = z = None
         if self.aux_loss_coeff > 0:
             s = logits.float()
-            s = s.softmax(-1) if self.route_kwargs["score"] == "softmax" else s.sigmoid()
+            s = s.softmax(-1) if self.config.score == "softmax" else s.sigmoid()
             s = s / s.sum(-1, keepdim=True).clamp_min(1e-20)
             aux = self.aux_loss_coeff * load_balancing_loss(s, indices)
         if self.z_loss_coeff > 0:

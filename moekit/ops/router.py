@@ -9,6 +9,10 @@ tensors the reference, or the kernels in Triton's interpreter under ``TRITON_INT
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from typing import Literal
+
 import torch
 
 from moekit.kernels import router as kernels
@@ -19,7 +23,7 @@ from moekit.runtime.device import use_triton
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.router import router_config
 
-__all__ = ["MAX_EXPERTS", "MAX_TOPK", "check_routing_options", "route", "topk_routing"]
+__all__ = ["MAX_EXPERTS", "MAX_TOPK", "RouterConfig", "route", "topk_routing"]
 
 MAX_EXPERTS = 2048  # one token's scores sit in registers
 MAX_TOPK = 64  # the kernels unroll one selection round per slot
@@ -149,45 +153,77 @@ def _check_groups(num_groups: object, topk_groups: object, E: int, k: int) -> tu
     return num_groups, topk_groups
 
 
-def check_routing_options(
-    num_experts: int,
-    k: int,
-    *,
-    score: str = "softmax",
-    num_groups: int | None = None,
-    topk_groups: int | None = None,
-    normalize: bool = True,
-    scaling: float = 1.0,
-) -> tuple[int, int]:
-    """The checks :func:`topk_routing` makes of its arguments other than the tensors, for
-    ``num_experts`` experts, without running anything (e.g. at a module's construction, which
-    may happen on the meta device). Raises ValueError / TypeError; returns
-    ``(num_groups, topk_groups)`` as ints, ``(0, 0)`` without groups."""
-    E = num_experts
-    if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E <= MAX_EXPERTS:
-        raise ValueError(f"the number of experts E must be in [1, {MAX_EXPERTS}], got {E!r}")
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(E, MAX_TOPK):
-        raise ValueError(f"k must be an int in [1, min(E = {E}, {MAX_TOPK})], got {k!r}")
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    if not isinstance(normalize, bool):
-        raise TypeError(f"normalize must be a bool, got {type(normalize).__name__}")
-    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
-        raise TypeError(f"scaling must be a float, got {type(scaling).__name__}")
-    return _check_groups(num_groups, topk_groups, E, k)
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """How a router picks and weighs each token's k experts, and the losses it adds; the
+    options of :func:`topk_routing`, :class:`moekit.nn.TopKRouter` and
+    :class:`moekit.nn.MoELayer` (``router=``), checked once here (those that depend on E when
+    a router is built: :meth:`groups`).
+
+    score: ``"softmax"`` or ``"sigmoid"`` of the logits.
+    num_groups, topk_groups: group-limited selection (DeepSeek-V3): the experts form
+        ``num_groups`` contiguous groups, only the ``topk_groups`` best are eligible; both or
+        neither.
+    normalize: divide the selected probs by their sum. scaling: then multiply by this.
+    expert_bias: an fp32 bias per expert that steers selection only (aux-loss-free
+        balancing, ``TopKRouter.update_expert_bias``).
+    aux_loss_coeff, z_loss_coeff: the load-balancing and z losses' coefficients (0: off).
+    """
+
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    num_groups: int | None = None
+    topk_groups: int | None = None
+    normalize: bool = True
+    scaling: float = 1.0
+    expert_bias: bool = False
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        for name in ("normalize", "expert_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if isinstance(self.scaling, bool) or not isinstance(self.scaling, (int, float)):
+            raise TypeError(f"scaling must be a float, got {type(self.scaling).__name__}")
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite float >= 0, got {v!r}")
+        g, tg = self.num_groups, self.topk_groups
+        if (g is None) != (tg is None) or not all(
+            v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (g, tg)
+        ):
+            raise TypeError(
+                f"num_groups and topk_groups must both be ints (or both None), got {g!r} and {tg!r}"
+            )
+
+    def routing_kwargs(self) -> dict:
+        """The selection options as :func:`topk_routing`'s keyword arguments."""
+        return dict(score=self.score, num_groups=self.num_groups, topk_groups=self.topk_groups,
+                    normalize=self.normalize, scaling=self.scaling)  # fmt: skip
+
+    def groups(self, num_experts: int, k: int) -> tuple[int, int]:
+        """The checks that depend on E and k (raise ValueError), without running anything
+        (a module may be built on the meta device); ``(num_groups, topk_groups)`` as ints,
+        ``(0, 0)`` without groups."""
+        E = num_experts
+        if isinstance(E, bool) or not isinstance(E, int) or not 1 <= E <= MAX_EXPERTS:
+            raise ValueError(f"the number of experts E must be in [1, {MAX_EXPERTS}], got {E!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= min(E, MAX_TOPK):
+            raise ValueError(f"k must be an int in [1, min(E = {E}, {MAX_TOPK})], got {k!r}")
+        return _check_groups(self.num_groups, self.topk_groups, E, k)
 
 
-def _check(logits, k, score, expert_bias, num_groups, topk_groups, normalize, scaling):
+def _check(logits, k, config: RouterConfig, expert_bias):
     logits = check_tensor("logits", logits)
     check_ndim("logits", logits, 2, "[T, E] (tokens, experts)")
     check_dtype("logits", logits, FLOAT_DTYPES)
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"logits.shape[1] (E) must be in [1, {MAX_EXPERTS}], got {E}")
-    groups = check_routing_options(
-        E, k, score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
-        scaling=scaling,
-    )  # fmt: skip
+    groups = config.groups(E, k)
     if expert_bias is not None:
         expert_bias = check_tensor("expert_bias", expert_bias)
         if expert_bias.shape != (E,) or expert_bias.dtype != torch.float32:
@@ -207,22 +243,17 @@ def _check(logits, k, score, expert_bias, num_groups, topk_groups, normalize, sc
 
 
 def route(
-    logits: torch.Tensor,
+    logits: torch.Tensor,  # [T, E]
     k: int,
-    *,
-    score: str = "softmax",
-    expert_bias: torch.Tensor | None = None,
-    num_groups: int | None = None,
-    topk_groups: int | None = None,
-    normalize: bool = True,
-    scaling: float = 1.0,
+    config: RouterConfig,
+    expert_bias: torch.Tensor | None = None,  # [E] fp32, selection only
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`topk_routing` that also returns ``counts [E]`` int32: the tokens routed to each
-    expert, counted on the device (for load-balancing losses and bias updates)."""
-    logits, expert_bias, (g, tg) = _check(
-        logits, k, score, expert_bias, num_groups, topk_groups, normalize, scaling
-    )
-    return _apply(logits, expert_bias, k, score, g, tg, normalize, float(scaling))
+    """:func:`topk_routing` with its options as a :class:`RouterConfig` (the loss
+    coefficients are not used here), also returning ``counts [E]`` int32: the tokens routed to
+    each expert, counted on the device (for load-balancing losses and bias updates)."""
+    logits, expert_bias, (g, tg) = _check(logits, k, config, expert_bias)
+    c = config
+    return _apply(logits, expert_bias, k, c.score, g, tg, c.normalize, float(c.scaling))
 
 
 def topk_routing(
@@ -254,8 +285,9 @@ def topk_routing(
     Returns:
         ``probs [T, k]`` float32 and ``indices [T, k]`` int32 (descending selection score).
     """
-    probs, indices, _ = route(
-        logits, k, score=score, expert_bias=expert_bias, num_groups=num_groups,
-        topk_groups=topk_groups, normalize=normalize, scaling=scaling,
+    config = RouterConfig(
+        score=score, num_groups=num_groups, topk_groups=topk_groups, normalize=normalize,
+        scaling=scaling,
     )  # fmt: skip
+    probs, indices, _ = route(logits, k, config, expert_bias)
     return probs, indices

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import moekit.fusion as mf
+from moekit.ops import RouterConfig
 from tests._cuda_step import sync_free_capture
 
 pytestmark = pytest.mark.gpu
@@ -107,7 +108,7 @@ def test_moe_rule(weighted):
     T, H, E, k, F = 512, 256, 8, 2, 128
     bf = {"device": DEV, "dtype": torch.bfloat16}
     seq = mf.Sequential(
-        mf.Router(H, E, k, aux_loss_coeff=1e-2, **bf), mf.Permute(E),
+        mf.Router(H, E, k, RouterConfig(aux_loss_coeff=1e-2), **bf), mf.Permute(E),
         mf.GroupedLinear(E, H, 2 * F, **bf), mf.SwiGLU() if weighted else mf.ScaledSwiGLU(),
         mf.GroupedLinear(E, F, H, **bf), mf.Unpermute(weighted=weighted),
     )  # fmt: skip

@@ -16,6 +16,7 @@ import torch
 import moekit.fusion as mf
 from moekit.config import interpret_mode
 from moekit.fusion import fusions
+from moekit.ops import RouterConfig
 from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
 
 # the router kernel's masked lanes divide 0/0 in Triton's interpreter (numpy warns; the
@@ -283,7 +284,7 @@ MOE_CASES = {
 
 def _moe(act_cls, weighted: bool, bias: bool, permute_kw: dict, aux: float = 1.0):
     return mf.Sequential(
-        mf.Router(H, E, K, aux_loss_coeff=aux), mf.Permute(E, **permute_kw),
+        mf.Router(H, E, K, RouterConfig(aux_loss_coeff=aux)), mf.Permute(E, **permute_kw),
         mf.GroupedLinear(E, H, 2 * F, bias=bias), act_cls(),
         mf.GroupedLinear(E, F, H, bias=bias), mf.Unpermute(weighted=weighted),
     )  # fmt: skip

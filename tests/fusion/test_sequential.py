@@ -29,6 +29,7 @@ from moekit.fusion import (
     registered_rules,
     unregister_fusion,
 )
+from moekit.ops import RouterConfig
 from moekit.runtime.state import STATE
 from tests.fusion._check import assert_close, check_all_modes, compare, output_grads, run
 
@@ -448,7 +449,9 @@ def test_same_tensor_as_main_and_extra_input():
 def test_non_tensor_and_integer_extra_outputs():
     """Router → Permute ends the chain: it returns Permute's extras, an integer tensor
     (offsets, no gradient), the rows' probs (differentiable) and the Dispatch (no tensor)."""
-    seq = mf.Sequential(mf.Router(H, 4, 2, aux_loss_coeff=0.1), mf.Permute(4, align=8))
+    seq = mf.Sequential(
+        mf.Router(H, 4, 2, RouterConfig(aux_loss_coeff=0.1)), mf.Permute(4, align=8)
+    )
     assert seq.extra_output_names == ("offsets", "probs", "dispatch")
     x = torch.randn(10, H)
     ref = run(seq, "reference", x)

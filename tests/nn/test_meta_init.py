@@ -10,14 +10,18 @@ import torch
 
 import moekit.fusion as mf
 from moekit.nn import GroupedLinear, GroupedMLP, MoELayer, RMSNorm, RowParallelLinear, TopKRouter
+from moekit.ops import RouterConfig
 
 MODULES = {
-    "router": lambda: TopKRouter(16, 8, 2, expert_bias=True, score="sigmoid", num_groups=4,
-                                 topk_groups=2),
+    "router": lambda: TopKRouter(
+        16, 8, 2, RouterConfig(expert_bias=True, score="sigmoid", num_groups=4, topk_groups=2)
+    ),
     "grouped_linear": lambda: GroupedLinear(4, 16, 8, bias=True),
     "grouped_mlp": lambda: GroupedMLP(4, 16, 8),
-    "moe": lambda: MoELayer(16, 8, 4, 2, expert_bias=True, shared_expert_ffn_size=8,
-                            aux_loss_coeff=0.01),
+    "moe": lambda: MoELayer(
+        16, 8, 4, 2, router=RouterConfig(expert_bias=True, aux_loss_coeff=0.01),
+        shared_expert_ffn_size=8,
+    ),
     "rmsnorm": lambda: RMSNorm(16),
     "row_parallel_linear": lambda: RowParallelLinear(8, 16),
     "fusion_chain": lambda: mf.Sequential(mf.Linear(16, 16, bias=True), mf.Bias(16),

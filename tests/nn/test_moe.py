@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moekit.nn import MoELayer, TopKRouter
+from moekit.ops import RouterConfig
 from moekit.reference.moe import moe_layer_ref
 from tests._cuda_step import sync_free_capture
 
@@ -16,8 +17,11 @@ CONFIGS = [
     ("shared_expert", dict(shared_expert_ffn_size=16)),
     ("capacity_drops", dict(capacity_factor=0.6)),
     ("aligned", dict(align=8)),
-    ("deepseek_like", dict(score="sigmoid", num_groups=4, topk_groups=2, scaling=2.0)),
-    ("unnormalised_geglu", dict(normalize=False, activation="geglu")),
+    (
+        "deepseek_like",
+        dict(router=RouterConfig("sigmoid", num_groups=4, topk_groups=2, scaling=2.0)),
+    ),
+    ("unnormalised_geglu", dict(router=RouterConfig(normalize=False), activation="geglu")),
 ]
 
 
@@ -27,7 +31,7 @@ def _ref(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
     return moe_layer_ref(
         x, r.weight, layer.experts.fc1_weight, layer.experts.fc2_weight, layer.k,
         activation=layer.experts.activation.name,
-        route_kwargs=dict(r.route_kwargs, expert_bias=r.expert_bias),
+        route_kwargs=dict(r.config.routing_kwargs(), expert_bias=r.expert_bias),
         capacity_factor=layer.capacity_factor, align=layer.align,
         shared=None if sh is None else (sh.fc1.weight, sh.fc2.weight),
     )  # fmt: skip
@@ -54,7 +58,7 @@ def test_matches_per_expert_loop(name, kwargs):
 
 def test_router_losses_train_the_router_without_being_added():
     torch.manual_seed(1)
-    layer = MoELayer(16, 8, 4, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    layer = MoELayer(16, 8, 4, 2, router=RouterConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01))
     x = torch.randn(10, 16)
     y = layer(x)
     y.sum().backward()
@@ -75,7 +79,7 @@ def test_router_losses_train_the_router_without_being_added():
 
 def test_aux_loss_grad_scale_scales_the_losses_gradient():
     torch.manual_seed(2)
-    layer = MoELayer(16, 8, 4, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    layer = MoELayer(16, 8, 4, 2, router=RouterConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01))
     x = torch.randn(10, 16)
     layer(x).sum().backward()
     unscaled = layer.router.weight.grad.clone()
@@ -101,7 +105,7 @@ def test_aux_loss_grad_scale_scales_the_losses_gradient():
 
 def test_output_takes_an_in_place_residual_with_losses_on():
     torch.manual_seed(3)
-    layer = MoELayer(16, 8, 4, 2, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    layer = MoELayer(16, 8, 4, 2, router=RouterConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01))
     x = torch.randn(10, 16, requires_grad=True)
     y = layer(x)
     y += x
@@ -142,7 +146,7 @@ def test_activation_checkpointing_gives_the_same_gradients(reentrant):
     """torch.utils.checkpoint over the layer (losses on, shared expert): the recomputed forward
     adds the router's losses once, as the plain layer does."""
     torch.manual_seed(5)
-    kw = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert_ffn_size=8)
+    kw = dict(router=RouterConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01), shared_expert_ffn_size=8)
     plain = MoELayer(16, 8, 4, 2, **kw)
     ckpt = MoELayer(16, 8, 4, 2, **kw)
     ckpt.load_state_dict(plain.state_dict())
@@ -165,7 +169,7 @@ def test_non_contiguous_input():
 
 
 def test_expert_bias_stays_fp32_through_module_casts():
-    layer = MoELayer(16, 8, 4, 2, expert_bias=True)
+    layer = MoELayer(16, 8, 4, 2, router=RouterConfig(expert_bias=True))
     layer.router.update_expert_bias(torch.tensor([10, 0, 5, 5]), rate=1e-3)
     before = layer.router.expert_bias.clone()
     layer.to(torch.bfloat16)
@@ -187,7 +191,7 @@ def test_names_of_the_layers_parts():
 
 
 def test_expert_bias_update_from_last_counts():
-    layer = MoELayer(16, 8, 4, 1, expert_bias=True)
+    layer = MoELayer(16, 8, 4, 1, router=RouterConfig(expert_bias=True))
     layer(torch.randn(12, 16))
     layer.router.update_expert_bias(layer.last_counts, rate=0.1)
     assert layer.router.expert_bias.abs().max() > 0
@@ -200,10 +204,12 @@ def test_bad_input():
     with pytest.raises(ValueError, match="k must be at most num_experts"):
         MoELayer(16, 8, 4, 5)
     with pytest.raises(ValueError, match="num_groups must divide"):
-        MoELayer(16, 8, 6, 2, num_groups=4, topk_groups=1)
+        MoELayer(16, 8, 6, 2, router=RouterConfig(num_groups=4, topk_groups=1))
     for name in ("aux_loss_coeff", "z_loss_coeff"):
         with pytest.raises(ValueError, match=name):
-            MoELayer(16, 8, 4, 2, **{name: float("nan")})
+            RouterConfig(**{name: float("nan")})
+    with pytest.raises(TypeError, match=r"router must be a moekit\.nn\.RouterConfig"):
+        MoELayer(16, 8, 4, 2, router={"score": "sigmoid"})
     with pytest.raises(ValueError, match=r"x must be a \[\.\.\., hidden_size = 16\] .*got \(\)"):
         layer(torch.tensor(1.0))  # 0-d
 
@@ -229,7 +235,9 @@ def test_input_dtype_other_than_the_parameters_outside_autocast(layer_dtype, x_d
     torch.testing.assert_close(y, layer_low(x.half()), rtol=2e-3, atol=2e-3)
 
 
-DSV3_LIKE = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
+DSV3_LIKE = dict(
+    router=RouterConfig("sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
+)
 GPU_CASES = [
     ("olmoe_like", 2048, 64, 8, 2048, 1024, {}),
     ("deepseek_like", 1024, 32, 8, 1024, 512, DSV3_LIKE),
@@ -266,7 +274,7 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
     r = layer.router
     ref = moe_layer_ref(
         xr, wr, w1, w2, k, activation=layer.experts.activation.name,
-        route_kwargs=dict(r.route_kwargs, expert_bias=r.expert_bias),
+        route_kwargs=dict(r.config.routing_kwargs(), expert_bias=r.expert_bias),
         capacity_factor=layer.capacity_factor, align=layer.align,
         shared=tuple(shared) or None, logits=torch.nn.functional.linear(xr, wr),
     )  # fmt: skip
@@ -285,7 +293,8 @@ def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
     autocast = opts == "autocast"
     dtype = torch.float32 if autocast else torch.bfloat16
     layer = MoELayer(
-        512, 256, 16, 4, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, shared_expert_ffn_size=128,
+        512, 256, 16, 4, router=RouterConfig(aux_loss_coeff=1e-2, z_loss_coeff=1e-3),
+        shared_expert_ffn_size=128,
         device="cuda", dtype=dtype, **({} if autocast else opts),
     )  # fmt: skip
     params = list(layer.parameters())

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 import moekit.fusion as mf
 from moekit.nn import MoELayer
+from moekit.ops import RouterConfig
 from tests._multiproc import finish_worker
 
 H, F, E, K, B, S, STEPS = 16, 8, 8, 2, 2, 7, 3
@@ -24,7 +25,9 @@ H, F, E, K, B, S, STEPS = 16, 8, 8, 2, 2, 7, 3
 
 def _build(kind: str) -> torch.nn.Module:
     if kind == "moe":
-        kw = dict(aux_loss_coeff=0.1, z_loss_coeff=0.01, shared_expert_ffn_size=8)
+        kw = dict(
+            router=RouterConfig(aux_loss_coeff=0.1, z_loss_coeff=0.01), shared_expert_ffn_size=8
+        )
         return MoELayer(H, F, E, K, **kw)
     return mf.Sequential(mf.Linear(H, H, bias=True), mf.Bias(H), mf.LayerNorm(H), mf.RMSNorm(H))
 

@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from moekit.nn import TopKRouter
+from moekit.ops import RouterConfig
 from moekit.reference.router import topk_routing_ref
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid"])
 def test_router_matches_composition(score):
-    r = TopKRouter(32, 8, 2, score=score, aux_loss_coeff=0.01, z_loss_coeff=0.001)
+    r = TopKRouter(32, 8, 2, RouterConfig(score=score, aux_loss_coeff=0.01, z_loss_coeff=0.001))
     x = torch.randn(20, 32, requires_grad=True)
     out = r(x)
     logits = F.linear(x, r.weight)
@@ -31,7 +32,7 @@ def test_router_matches_composition(score):
 
 
 def test_losses_off_by_default_and_expert_bias():
-    r = TopKRouter(16, 4, 1, expert_bias=True)
+    r = TopKRouter(16, 4, 1, RouterConfig(expert_bias=True))
     out = r(torch.randn(6, 16))
     assert out.aux_loss is None and out.z_loss is None
     assert r.expert_bias.dtype == torch.float32 and torch.all(r.expert_bias == 0)
@@ -55,7 +56,8 @@ def test_bad_configuration(kwargs, match):
     args = dict(hidden_size=16, num_experts=4, k=2)
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        TopKRouter(args.pop("hidden_size"), args.pop("num_experts"), args.pop("k"), **args)
+        n, E, k = args.pop("hidden_size"), args.pop("num_experts"), args.pop("k")
+        TopKRouter(n, E, k, RouterConfig(**args))
 
 
 def test_hidden_size_mismatch_and_bias_update_without_bias():

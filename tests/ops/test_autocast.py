@@ -12,7 +12,7 @@ import torch
 
 from moekit.config import interpret_mode
 from moekit.nn import MoELayer
-from moekit.ops import grouped_linear, grouped_mlp, grouped_mm
+from moekit.ops import RouterConfig, grouped_linear, grouped_mlp, grouped_mm
 
 
 def _case(device: str, R=24, E=3, H=16, F=8):
@@ -75,7 +75,7 @@ def test_weights_already_in_the_autocast_dtype_keep_main_grad():
 
 def _check_layer(device: str, dtype: torch.dtype, tol: float) -> None:
     torch.manual_seed(0)
-    kw = dict(aux_loss_coeff=0.1, shared_expert_ffn_size=8, device=device)
+    kw = dict(router=RouterConfig(aux_loss_coeff=0.1), shared_expert_ffn_size=8, device=device)
     layer = MoELayer(16, 8, 4, 2, **kw)
     low = MoELayer(16, 8, 4, 2, **kw).to(dtype)
     low.load_state_dict(layer.state_dict())

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from moekit.ops import topk_routing
-from moekit.ops.router import route
+from moekit.ops.router import RouterConfig, route
 from moekit.reference.router import topk_routing_backward_ref, topk_routing_ref
 
 # (name, T, E, k, num_groups, topk_groups)
@@ -27,11 +27,11 @@ CASES = [
 def _check(T, E, k, groups, score, normalize, bias, dtype=torch.float32, device="cpu"):
     logits = torch.randn(T, E, device=device).to(dtype).requires_grad_()
     ref_logits = logits.detach().clone().requires_grad_()
-    kw = dict(
-        score=score, expert_bias=bias, num_groups=groups[0], topk_groups=groups[1],
-        normalize=normalize, scaling=2.5,
+    cfg = RouterConfig(
+        score=score, num_groups=groups[0], topk_groups=groups[1], normalize=normalize,
+        scaling=2.5,
     )  # fmt: skip
-    probs, idx, counts = route(logits, k, **kw)
+    probs, idx, counts = route(logits, k, cfg, bias)
     ref_p, ref_i = topk_routing_ref(ref_logits, k, score, bias, *groups, normalize, 2.5)
     assert probs.dtype == torch.float32 and idx.dtype == torch.int32
     assert torch.equal(idx, ref_i)
@@ -113,7 +113,7 @@ def test_nan_logit_under_sigmoid_is_ranked_last():
 
 def test_empty_batch():
     logits = torch.randn(0, 8, requires_grad=True)
-    probs, idx, counts = route(logits, 2)
+    probs, idx, counts = route(logits, 2, RouterConfig())
     assert probs.shape == (0, 2) and idx.shape == (0, 2) and counts.sum() == 0
     probs.sum().backward()
     assert logits.grad.shape == (0, 8)
@@ -180,12 +180,12 @@ def test_gpu_matches_reference(T, E, k, groups, score, bias):
 def test_gpu_no_host_sync_and_cuda_graph():
     logits = torch.randn(4096, 64, device="cuda", requires_grad=True)
     for _ in range(2):
-        p, _, _ = route(logits, 8)
+        p, _, _ = route(logits, 8, RouterConfig())
         p.sum().backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        p, _i, _c = route(logits, 8)
+        p, _i, _c = route(logits, 8, RouterConfig())
         p.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -193,11 +193,11 @@ def test_gpu_no_host_sync_and_cuda_graph():
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        route(static, 8)
+        route(static, 8, RouterConfig())
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _gp, gi, gc = route(static, 8)
+        _gp, gi, gc = route(static, 8, RouterConfig())
     static.copy_(torch.randn_like(static))
     graph.replay()
     _ref_p, ref_i = topk_routing_ref(static, 8)
