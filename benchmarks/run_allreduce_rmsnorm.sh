@@ -8,8 +8,9 @@ export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-NGPU=$(nvidia-smi -L | wc -l)
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PY=.venv/bin/python
+# the GPUs this process may use (CUDA_VISIBLE_DEVICES honoured, unlike nvidia-smi's list)
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 exec "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
   benchmarks/benchmark_allreduce_rmsnorm.py "$@"

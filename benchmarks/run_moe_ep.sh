@@ -15,8 +15,9 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${1:-bench_out}
 mkdir -p "$OUT"
-NGPU=$(nvidia-smi -L | wc -l)
 PY=${PYTHON:-python3}
+# the GPUs this process may use (CUDA_VISIBLE_DEVICES honoured, unlike nvidia-smi's list)
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 RUN="$PY -m torch.distributed.run --standalone"
 nvidia-smi topo -m | head -8
 if [ "${MOEKIT_EP_CHECK_STEPS:-1000}" != 0 ]; then
