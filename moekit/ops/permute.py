@@ -403,6 +403,13 @@ def _slots_from_indices(hidden, indices, probs, num_experts, topk, validate):
     return indices, probs, E, k
 
 
+def _drop_past_capacity(idx, probs, E: int, capacity: int) -> torch.Tensor:
+    """idx with the slots past ``capacity`` per expert set to −1, the lowest probs first (no
+    probs: the later tokens)."""
+    drop_probs = probs.detach() if probs is not None else torch.zeros(idx.shape, device=idx.device)
+    return capacity_drop(idx, drop_probs, E, capacity)
+
+
 def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
     # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
     return min(slots, num_rows) if dropless else 0
@@ -481,10 +488,7 @@ def permute(
         if out_rows is not None:
             raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
         capacity = expert_capacity(capacity_factor, T, k, E, a)
-        drop_probs = (
-            probs.detach() if probs is not None else torch.zeros(idx.shape, device=idx.device)
-        )
-        idx = capacity_drop(idx, drop_probs, E, capacity)
+        idx = _drop_past_capacity(idx, probs, E, capacity)
         num_rows, may_drop = E * capacity, True
     elif out_rows is None or exact:
         num_rows = max_rows(T, k, E, a)

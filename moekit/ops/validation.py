@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 from moekit.config import debug_checks
 from moekit.runtime.device import use_triton
+from moekit.runtime.eager import values_on_host
 
 
 def check_tensor(name: str, value: object) -> torch.Tensor:
@@ -95,12 +95,6 @@ def check_offsets(
             f"({groups_what}); they must match"
         )
     return offsets
-
-
-def values_on_host(t: torch.Tensor) -> bool:
-    """Whether ``t``'s values may be read now without a device sync: a real CPU tensor, outside
-    tracing (``torch.compile``/export trace with stand-ins that hold no values)."""
-    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
 
 
 def _device_checks(device_check: bool | None) -> bool:

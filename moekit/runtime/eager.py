@@ -8,10 +8,11 @@ import threading
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from moekit.runtime.state import STATE
 
-__all__ = ["owned_gradient", "plain_eager"]
+__all__ = ["owned_gradient", "plain_eager", "values_on_host"]
 
 # Argument types that need no closer look (a tensor subclass is not among them).
 _SIMPLE = frozenset(
@@ -35,6 +36,12 @@ def plain_eager(args: tuple) -> bool:
         if type(a) not in _SIMPLE and isinstance(a, torch.Tensor):
             return False
     return True
+
+
+def values_on_host(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values may be read now without a device sync: a real CPU tensor, outside
+    tracing (``torch.compile``/export trace with stand-ins that hold no values)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling() and not is_fake(t)
 
 
 def _python_refs(t: torch.Tensor) -> int:
