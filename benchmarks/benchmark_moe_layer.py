@@ -28,7 +28,7 @@ from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
-from moekit.nn import ExpertParallelConfig, MoELayer
+from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.router import RouterConfig, route
 
 DSV3 = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
@@ -62,7 +62,7 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
     gen = torch.Generator(device="cpu").manual_seed(seed)
     layer = MoELayer(
         H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-        ep_group=ep_group, capacity_factor=capacity, ep_config=ep_config, device=device,
+        ep_group=ep_group, dispatch=DispatchConfig(capacity), ep_config=ep_config, device=device,
         dtype=dtype,
     )  # fmt: skip
     with torch.no_grad():
@@ -281,7 +281,7 @@ def run_ep_shape(name, spec, args, device) -> dict:
         else:  # the same parameters (one copy of the experts in memory)
             layer = MoELayer(
                 H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-                ep_group=group, capacity_factor=cf, ep_config=config, device="meta",
+                ep_group=group, dispatch=DispatchConfig(cf), ep_config=config, device="meta",
                 dtype=args.dtype,
             )  # fmt: skip
             layer.router, layer.experts = first.router, first.experts

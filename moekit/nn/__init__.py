@@ -7,9 +7,11 @@ from moekit.nn.moe import MoELayer, SharedExpert, routed_experts
 from moekit.nn.rmsnorm import RMSNorm
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.nn.row_parallel_linear import RowParallelLinear
+from moekit.ops.permute import DispatchConfig
 from moekit.ops.router import RouterConfig
 
 __all__ = [
+    "DispatchConfig",
     "ExpertParallelConfig",
     "GroupedLinear",
     "GroupedMLP",

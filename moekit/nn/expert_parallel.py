@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from moekit.ops.expert_exchange import BACKENDS, ExpertExchange, symmetric_unsupported
-from moekit.ops.permute import permute, unpermute
+from moekit.ops.permute import DispatchConfig, permute, unpermute
 from moekit.ops.routing import capacity_drop, expert_capacity, max_rows
 
 __all__ = ["ExpertParallelConfig", "ExpertParallelRouting"]
@@ -154,12 +154,12 @@ class ExpertParallelRouting:
         indices: torch.Tensor,  # [T, k] global expert ids
         probs: torch.Tensor,  # [T, k]
         experts: Callable[..., torch.Tensor],  # (rows [R, H], offsets [E_local], probs [R])
+        dispatch: DispatchConfig,
         *,
-        align: int | None = None,
-        capacity_factor: float | None = None,
         shape: Sequence[int] | None = None,
     ) -> torch.Tensor:  # [T, H] (or ``shape``)
         T, k = indices.shape
+        align, capacity_factor = dispatch.align, dispatch.capacity_factor
         a = align or 1
         backend = self.config.backend
         if backend == "auto" and symmetric_unsupported(tokens, self.group.size()):

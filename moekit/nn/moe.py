@@ -18,7 +18,7 @@ from moekit.nn.expert_parallel import ExpertParallelConfig, ExpertParallelRoutin
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.autocast import autocast_on, autocast_tensors
-from moekit.ops.permute import permute, unpermute
+from moekit.ops.permute import DispatchConfig, permute, unpermute
 from moekit.ops.router import RouterConfig
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
@@ -30,8 +30,7 @@ def routed_experts(
     experts: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
     *,
     num_experts: int,
-    align: int | None = None,
-    capacity_factor: float | None = None,
+    dispatch: DispatchConfig | None = None,  # None: dropless, packed
     scale_by_probs: bool = True,
     shape: Sequence[int] | None = None,
 ) -> torch.Tensor:  # [T, H'] (or ``shape``)
@@ -40,9 +39,10 @@ def routed_experts(
     rows' dtype, are applied inside the experts' activation), and sum each token's rows back
     unweighted, into a tensor of ``shape`` if given (``moekit.ops.unpermute``). Differentiable
     in the tokens, the route's probs and whatever ``experts`` uses."""
+    dispatch = dispatch or DispatchConfig()
     d = permute(
-        tokens, route.indices, route.probs, num_experts=num_experts, align=align,
-        capacity_factor=capacity_factor,
+        tokens, route.indices, route.probs, num_experts=num_experts, align=dispatch.align,
+        capacity_factor=dispatch.capacity_factor,
     )  # fmt: skip
     probs = d.probs.to(d.hidden.dtype) if scale_by_probs else None
     return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False, shape=shape)
@@ -74,9 +74,8 @@ class MoELayer(nn.Module):
             normalisation, expert bias, aux and z loss coefficients); None: its defaults.
         shared_expert_ffn_size: width of a dense shared expert added to every token's output
             (0: none).
-        capacity_factor: keep at most ``ceil(cf·T·k/E)`` tokens per expert, dropping the
-            lowest probs (``moekit.ops.permute``); None: dropless.
-        align: pad each expert's rows to a multiple of this (None: packed).
+        dispatch: the capacity limit and row alignment
+            (:class:`moekit.ops.DispatchConfig`); None: dropless and packed.
         ep_group: expert parallelism over this ``torch.distributed`` group of W ranks: rank r
             holds experts ``[r·E/W, (r+1)·E/W)`` (E must divide by W); each token travels once
             to every rank holding one of its experts and its result comes back summed. On GPUs
@@ -109,8 +108,7 @@ class MoELayer(nn.Module):
         activation: str = "swiglu",
         router: RouterConfig | None = None,
         shared_expert_ffn_size: int = 0,
-        capacity_factor: float | None = None,
-        align: int | None = None,
+        dispatch: DispatchConfig | None = None,
         ep_group: object | None = None,
         ep_config: ExpertParallelConfig | None = None,
         device: torch.device | str | None = None,
@@ -140,7 +138,11 @@ class MoELayer(nn.Module):
         if shared_expert_ffn_size:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_ffn_size, activation, **kw)
         self.num_experts, self.k = num_experts, k
-        self.capacity_factor, self.align = capacity_factor, align
+        if dispatch is not None and not isinstance(dispatch, DispatchConfig):
+            raise TypeError(
+                f"dispatch must be a moekit.nn.DispatchConfig, got {type(dispatch).__name__}"
+            )
+        self.dispatch = dispatch or DispatchConfig()
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
@@ -185,14 +187,11 @@ class MoELayer(nn.Module):
         r = dataclasses.replace(r, probs=self.router.attach_losses(r.probs, r))
         if self.ep_group is None:
             y = routed_experts(
-                tokens, r, self.experts, num_experts=self.num_experts, align=self.align,
-                capacity_factor=self.capacity_factor, shape=x.shape,
+                tokens, r, self.experts, num_experts=self.num_experts, dispatch=self.dispatch,
+                shape=x.shape,
             )  # fmt: skip
         else:
-            y = self.ep(
-                tokens, r.indices, r.probs, self.experts, align=self.align,
-                capacity_factor=self.capacity_factor, shape=x.shape,
-            )  # fmt: skip
+            y = self.ep(tokens, r.indices, r.probs, self.experts, self.dispatch, shape=x.shape)
         if self.shared_expert is not None:
             y = y + self.shared_expert(tokens).view(x.shape)
         # y is a tensor of its own in x's shape, not a view: in-place ops on it and FSDP2's

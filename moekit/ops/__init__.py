@@ -16,13 +16,20 @@ from moekit.ops.grouped_mlp import (
     grouped_mlp_plan,
     grouped_mlp_unsupported,
 )
-from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
+from moekit.ops.permute import (
+    Dispatch,
+    DispatchConfig,
+    permute,
+    sort_chunks_by_index,
+    unpermute,
+)
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 from moekit.ops.router import RouterConfig, topk_routing
 from moekit.ops.router_losses import load_balancing_loss, router_z_loss
 
 __all__ = [
     "Dispatch",
+    "DispatchConfig",
     "RouterConfig",
     "add_rmsnorm",
     "allreduce",

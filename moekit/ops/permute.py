@@ -52,7 +52,14 @@ from moekit.runtime.device import use_triton
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.permute import copy_config
 
-__all__ = ["SUPPORTED_ALIGNS", "Dispatch", "permute", "sort_chunks_by_index", "unpermute"]
+__all__ = [
+    "SUPPORTED_ALIGNS",
+    "Dispatch",
+    "DispatchConfig",
+    "permute",
+    "sort_chunks_by_index",
+    "unpermute",
+]
 
 SUPPORTED_ALIGNS = (8, 16, 32, 64, 128)
 # Expert ids: the metadata kernels widen any of these before comparing against E.
@@ -101,6 +108,27 @@ class Dispatch:
     # rows each expert keeps under capacity_factor (ceil(cf·T·k/E), rounded up to align), the
     # segment length every expert is padded to; None without a capacity limit
     capacity: int | None = None
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """How a layer dispatches its tokens to the experts (``MoELayer(dispatch=)``), checked
+    once here; :func:`permute`'s options of the same names.
+
+    capacity_factor: keep at most ``C = ceil(cf·T·k/E)`` tokens per expert (rounded up to
+        ``align``), dropping the lowest probs (:func:`moekit.ops.routing.expert_capacity`);
+        None: dropless.
+    align: pad each expert's rows to a multiple of this (one of 8, 16, 32, 64, 128; e.g. the
+        block of an FP8 GEMM); None: packed.
+    """
+
+    capacity_factor: float | None = None
+    align: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_align(self.align)
+        if self.capacity_factor is not None:
+            expert_capacity(self.capacity_factor, 1, 1, 1, 1)  # its checks of the factor
 
 
 def _dtype(t: torch.Tensor | None) -> torch.dtype | None:

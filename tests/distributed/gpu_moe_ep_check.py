@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from moekit.nn import ExpertParallelConfig, MoELayer
+from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import ExpertExchange
 from tests._cuda_step import sync_free_capture
 
@@ -56,7 +56,10 @@ def log(rank: int, text: str) -> None:
 
 def layers(rank: int, W: int, group, capacity_factor=None, config=None):
     torch.manual_seed(0)
-    kw = dict(shared_expert_ffn_size=256, capacity_factor=capacity_factor, device="cuda", dtype=DT)
+    kw = dict(
+        shared_expert_ffn_size=256, dispatch=DispatchConfig(capacity_factor), device="cuda",
+        dtype=DT,
+    )  # fmt: skip
     full = MoELayer(H, F, E, K, **kw)
     ep = MoELayer(H, F, E, K, ep_group=group, ep_config=config, **kw)
     El = E // W

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moekit.nn import MoELayer, TopKRouter
+from moekit.nn import DispatchConfig, MoELayer, TopKRouter
 from moekit.ops import RouterConfig
 from moekit.reference.moe import moe_layer_ref
 from tests._cuda_step import sync_free_capture
@@ -15,8 +15,8 @@ from tests._cuda_step import sync_free_capture
 CONFIGS = [
     ("plain", dict()),
     ("shared_expert", dict(shared_expert_ffn_size=16)),
-    ("capacity_drops", dict(capacity_factor=0.6)),
-    ("aligned", dict(align=8)),
+    ("capacity_drops", dict(dispatch=DispatchConfig(capacity_factor=0.6))),
+    ("aligned", dict(dispatch=DispatchConfig(align=8))),
     (
         "deepseek_like",
         dict(router=RouterConfig("sigmoid", num_groups=4, topk_groups=2, scaling=2.0)),
@@ -32,7 +32,7 @@ def _ref(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         x, r.weight, layer.experts.fc1_weight, layer.experts.fc2_weight, layer.k,
         activation=layer.experts.activation.name,
         route_kwargs=dict(r.config.routing_kwargs(), expert_bias=r.expert_bias),
-        capacity_factor=layer.capacity_factor, align=layer.align,
+        capacity_factor=layer.dispatch.capacity_factor, align=layer.dispatch.align,
         shared=None if sh is None else (sh.fc1.weight, sh.fc2.weight),
     )  # fmt: skip
 
@@ -210,6 +210,12 @@ def test_bad_input():
             RouterConfig(**{name: float("nan")})
     with pytest.raises(TypeError, match=r"router must be a moekit\.nn\.RouterConfig"):
         MoELayer(16, 8, 4, 2, router={"score": "sigmoid"})
+    with pytest.raises(TypeError, match=r"dispatch must be a moekit\.nn\.DispatchConfig"):
+        MoELayer(16, 8, 4, 2, dispatch={"align": 8})
+    with pytest.raises(ValueError, match="align must be None or one of"):
+        DispatchConfig(align=12)
+    with pytest.raises(ValueError, match="capacity_factor must be a finite float > 0"):
+        DispatchConfig(capacity_factor=0.0)
     with pytest.raises(ValueError, match=r"x must be a \[\.\.\., hidden_size = 16\] .*got \(\)"):
         layer(torch.tensor(1.0))  # 0-d
 
@@ -242,8 +248,8 @@ GPU_CASES = [
     ("olmoe_like", 2048, 64, 8, 2048, 1024, {}),
     ("deepseek_like", 1024, 32, 8, 1024, 512, DSV3_LIKE),
     ("mixtral_like_shared", 512, 8, 2, 1024, 2048, dict(shared_expert_ffn_size=256)),
-    ("capacity_drops", 1000, 16, 4, 512, 256, dict(capacity_factor=0.8)),
-    ("aligned_skew", 777, 16, 2, 256, 128, dict(align=16)),
+    ("capacity_drops", 1000, 16, 4, 512, 256, dict(dispatch=DispatchConfig(capacity_factor=0.8))),
+    ("aligned_skew", 777, 16, 2, 256, 128, dict(dispatch=DispatchConfig(align=16))),
     ("one_token", 1, 8, 2, 64, 32, {}),
 ]
 
@@ -275,7 +281,7 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
     ref = moe_layer_ref(
         xr, wr, w1, w2, k, activation=layer.experts.activation.name,
         route_kwargs=dict(r.config.routing_kwargs(), expert_bias=r.expert_bias),
-        capacity_factor=layer.capacity_factor, align=layer.align,
+        capacity_factor=layer.dispatch.capacity_factor, align=layer.dispatch.align,
         shared=tuple(shared) or None, logits=torch.nn.functional.linear(xr, wr),
     )  # fmt: skip
     ref_grads = torch.autograd.grad(ref, leaves, g.float())
@@ -286,7 +292,7 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "opts", [{}, dict(capacity_factor=1.0, align=16), "autocast"],
+    "opts", [{}, dict(dispatch=DispatchConfig(1.0, align=16)), "autocast"],
     ids=["dropless", "capacity", "fp32_under_autocast"],
 )  # fmt: skip
 def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):

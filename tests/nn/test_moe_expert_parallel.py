@@ -19,7 +19,7 @@ import torch.multiprocessing as mp
 
 from moekit.distributed import set_pool
 from moekit.kernels.exchange import exchange_layout
-from moekit.nn import ExpertParallelConfig, MoELayer
+from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import pool_use
 from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
 from tests._shared_pool import SharedFilePool, make_files
@@ -36,7 +36,7 @@ def _worker(rank, world, port, capacity_factor, align, chunks=None, paths=None) 
     )
     try:
         torch.manual_seed(0)
-        kw = dict(shared_expert_ffn_size=8, capacity_factor=capacity_factor, align=align)
+        kw = dict(shared_expert_ffn_size=8, dispatch=DispatchConfig(capacity_factor, align))
         full = MoELayer(H, F, E, K, **kw)
         cfg = ExpertParallelConfig(chunks=chunks)
         if paths is not None:  # a pool per channel (chunk), each large enough for all tokens

@@ -16,7 +16,7 @@ import torch
 
 from moekit.fusion.op import BasicOp, OpContext, RecordedGraph
 from moekit.nn.router import TopKRouter
-from moekit.ops.permute import Dispatch, permute, unpermute
+from moekit.ops.permute import Dispatch, DispatchConfig, permute, unpermute
 
 __all__ = ["Permute", "Router", "Unpermute"]
 
@@ -69,12 +69,13 @@ class Permute(BasicOp):
         super().__init__()
         if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
             raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
-        self.num_experts, self.align, self.capacity_factor = num_experts, align, capacity_factor
+        self.num_experts = num_experts
+        self.dispatch = DispatchConfig(capacity_factor, align)
 
     def permute(self, x, probs, indices) -> Dispatch:
         return permute(
-            x, indices, probs, num_experts=self.num_experts, align=self.align,
-            capacity_factor=self.capacity_factor,
+            x, indices, probs, num_experts=self.num_experts, align=self.dispatch.align,
+            capacity_factor=self.dispatch.capacity_factor,
         )  # fmt: skip
 
     def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
@@ -99,8 +100,8 @@ class Permute(BasicOp):
 
     def extra_repr(self) -> str:
         return (
-            f"num_experts={self.num_experts}, align={self.align}, "
-            f"capacity_factor={self.capacity_factor}"
+            f"num_experts={self.num_experts}, align={self.dispatch.align}, "
+            f"capacity_factor={self.dispatch.capacity_factor}"
         )
 
 

@@ -48,8 +48,8 @@ class FusedMoE(FusedOp):
 
         route = RouterOutput(probs, indices, router.last_counts, None, None)
         out = routed_experts(
-            y, route, experts, num_experts=permute.num_experts, align=permute.align,
-            capacity_factor=permute.capacity_factor, scale_by_probs=self.use_probs,
+            y, route, experts, num_experts=permute.num_experts, dispatch=permute.dispatch,
+            scale_by_probs=self.use_probs,
         )  # fmt: skip
         return (out,)
 
