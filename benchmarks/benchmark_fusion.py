@@ -14,15 +14,13 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import sys
-import time
 
 import common as bc
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
+import torch.distributed as dist
 
 import moekit.fusion as mf
+from moekit.distributed import init_distributed
 from moekit.nn import MoELayer, RMSNorm, RouterConfig, RowParallelLinear
 from moekit.ops import add_rmsnorm, grouped_mlp
 
@@ -30,44 +28,29 @@ ROUNDS = 5
 DT = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # the interpreter: no bf16
 
 
+def _tuple(out) -> tuple:
+    return out if isinstance(out, tuple) else (out,)
+
+
 def training_step(fn, grads, leaves):
     """One forward + backward of ``fn()`` against fixed output gradients, into fresh gradient
     tensors of ``leaves`` (no accumulation into ``.grad``, which a CUDA graph cannot hold)."""
-
-    def step():
-        out = fn()
-        outs = out if isinstance(out, tuple) else (out,)
-        return torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-
-    return step
+    return lambda: torch.autograd.grad(_tuple(fn()), leaves, grads, allow_unused=True)
 
 
 def output_grads(fn):
     with torch.no_grad():
-        out = fn()
-    outs = out if isinstance(out, tuple) else (out,)
-    # from a CPU generator: a CUDA graph capture that fails (and is reported) leaves the CUDA
-    # generator unusable for the rest of the process
+        outs = _tuple(fn())
+    # a CPU generator: a failed (reported) CUDA graph capture leaves the CUDA one unusable
     gen = torch.Generator().manual_seed(0)
     return tuple(torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs)
 
 
-def _unfused(step):
-    def run():
-        with mf.fusions(disable=["all"]):
-            step()
-
-    return run
-
-
 def mlp_case(rows, E, H, F, dev, autocast=False):
-    """With ``autocast``: fp32 parameters and inputs, both calls inside a bf16 autocast region
-    (an fp32 model trained with autocast)."""
+    """``autocast``: fp32 parameters and inputs, both calls in a bf16 autocast region."""
     dt = torch.float32 if autocast else DT
-    seq = mf.Sequential(
-        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=dt), mf.ScaledSwiGLU(),
-        mf.GroupedLinear(E, F, H, device=dev, dtype=dt),
-    )  # fmt: skip
+    seq = mf.Sequential(mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=dt), mf.ScaledSwiGLU(),
+                        mf.GroupedLinear(E, F, H, device=dev, dtype=dt))  # fmt: skip
     x = torch.randn(rows, H, device=dev, dtype=dt, requires_grad=True)
     probs = torch.rand(rows, device=dev, dtype=dt, requires_grad=True)
     counts = torch.distributions.Multinomial(rows, torch.rand(E)).sample().to(torch.int64)
@@ -75,95 +58,66 @@ def mlp_case(rows, E, H, F, dev, autocast=False):
     w1, w2 = seq[0].weight, seq[2].weight
     # fp16 on the CPU: Triton's interpreter computes tl.dot on bf16 wrongly
     half = torch.bfloat16 if dev.type == "cuda" else torch.float16
-    region = torch.autocast(dev.type, dtype=half, enabled=autocast)
-
-    def direct():
-        with region:
-            return grouped_mlp(x, offsets, w1, w2, probs)
-
-    def sequential():
-        with region:
-            return seq(x, offsets, probs)
-
+    region = torch.autocast(dev.type, dtype=half, enabled=autocast)  # a decorator too
+    direct = region(lambda: grouped_mlp(x, offsets, w1, w2, probs))
+    sequential = region(lambda: seq(x, offsets, probs))
     leaves = [x, probs, w1, w2]
     return seq, (direct, leaves), (sequential, leaves)
 
 
 def norm_case(T, H, dev):
-    seq = mf.Sequential(
-        mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H, device=dev, dtype=DT)
-    )
-    x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
-    r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    seq = mf.Sequential(mf.AddExtraInput(), mf.MakeExtraOutput(),
+                        mf.RMSNorm(H, device=dev, dtype=DT))  # fmt: skip
+    x, r = (torch.randn(T, H, device=dev, dtype=DT, requires_grad=True) for _ in range(2))
     leaves = [x, r, seq[2].weight]
     return seq, (lambda: add_rmsnorm(x, r, leaves[2], 1e-6), leaves), (lambda: seq(x, r), leaves)
 
 
 def linear_norm_case(T, H, dev):
     """A chain of two steps (Linear, then add_rmsnorm), each run by its own autograd form."""
-    seq = mf.Sequential(
-        mf.Linear(H, H, device=dev, dtype=DT), mf.AddExtraInput(), mf.MakeExtraOutput(),
-        mf.RMSNorm(H, device=dev, dtype=DT),
-    )  # fmt: skip
-    x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
-    r = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
+    seq = mf.Sequential(mf.Linear(H, H, device=dev, dtype=DT), mf.AddExtraInput(),
+                        mf.MakeExtraOutput(), mf.RMSNorm(H, device=dev, dtype=DT))  # fmt: skip
+    x, r = (torch.randn(T, H, device=dev, dtype=DT, requires_grad=True) for _ in range(2))
     w, wn = seq[0].weight, seq[3].weight
     direct = lambda: add_rmsnorm(torch.nn.functional.linear(x, w), r, wn, 1e-6)
     return seq, (direct, [x, r, w, wn]), (lambda: seq(x, r), [x, r, w, wn])
 
 
 def moe_case(T, H, E, k, F, dev):
-    seq = mf.Sequential(
-        mf.Router(H, E, k, RouterConfig(aux_loss_coeff=1e-2), device=dev, dtype=DT), mf.Permute(E),
-        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
-        mf.GroupedLinear(E, F, H, device=dev, dtype=DT), mf.Unpermute(),
-    )  # fmt: skip
-    layer = MoELayer(H, F, E, k, router=RouterConfig(aux_loss_coeff=1e-2), device=dev, dtype=DT)
+    router = RouterConfig(aux_loss_coeff=1e-2)
+    seq = mf.Sequential(mf.Router(H, E, k, router, device=dev, dtype=DT), mf.Permute(E),
+                        mf.GroupedLinear(E, H, 2 * F, device=dev, dtype=DT), mf.ScaledSwiGLU(),
+                        mf.GroupedLinear(E, F, H, device=dev, dtype=DT), mf.Unpermute())  # fmt: skip
+    layer = MoELayer(H, F, E, k, router=router, device=dev, dtype=DT)
     with torch.no_grad():
         layer.router.weight.copy_(seq[0].weight)
         layer.experts.fc1_weight.copy_(seq[2].weight)
         layer.experts.fc2_weight.copy_(seq[4].weight)
     x = torch.randn(T, H, device=dev, dtype=DT, requires_grad=True)
-    return (
-        seq,
-        (lambda: layer(x), [x, *layer.parameters()]),
-        (lambda: seq(x), [x, *seq.parameters()]),
-    )
+    direct = (lambda: layer(x), [x, *layer.parameters()])
+    return seq, direct, (lambda: seq(x), [x, *seq.parameters()])
 
 
-def _error(a, b) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def host_rounds(row, steps, cycles, tp: bool) -> None:
-    """Host and eager µs, best of ROUNDS: host time drifts with other work on the machine, so
-    the contenders take turns in an order that rotates every round. Short host batches: an MoE
-    step enqueues ~100 launches, and a batch must stay under the GPU's launch-queue depth."""
+def host_figures(row, steps, cycles, tp: bool, pairs: int) -> None:
+    """Host and eager µs, best of ROUNDS in turns, the order rotating (host time drifts with other
+    work on the machine); short host batches (an MoE step enqueues ~100 launches). Then the
+    sequential - direct gap of adjacent pairs by the wall clock and by the process's CPU time
+    (the verdict's)."""
     host = lambda f: bc.host_us_per_call(f, 200, cycles, per_batch=8, fixed_count=tp)[0]
     eager = lambda f: (bc.fixed_count_ms(f) if tp else bc.bench_ms(f)) * 1e3
     bc.measure(steps, {"host_us": host, "eager_us": eager}, ROUNDS, row, rotate=True)
     gaps = [s - d for s, d in zip(row["sequential_host_us_rounds"], row["direct_host_us_rounds"])]
     row["host_gap_rounds_median_us"] = statistics.median(gaps)
-
-
-def paired_gaps(row, steps, cycles, tp: bool, pairs: int) -> None:
-    """sequential and direct in adjacent pairs (see paired_host_gaps_us), by the wall clock and
-    by the process's CPU time; the verdict is the CPU time's."""
-    by_clock = bc.paired_host_gaps_us(
-        steps["sequential"], steps["direct"], pairs, cycles, per_batch=4,
-        fixed_count=tp, clocks=(time.perf_counter, time.process_time),
-    )  # fmt: skip
+    by_clock = bc.paired_host_gaps_us(steps["sequential"], steps["direct"], pairs, cycles,
+                                      per_batch=4, fixed_count=tp)  # fmt: skip
     for key, paired in zip(("host_gap", "host_gap_cpu"), by_clock):
         row[f"{key}_us"], row[f"{key}_covered"] = paired.gap_us, paired.covered
-        q = statistics.quantiles(paired.gaps_us, n=4)
-        row[f"{key}_quartiles_us"] = [q[0], q[2]]
+        row[f"{key}_quartiles_us"] = statistics.quantiles(paired.gaps_us, n=4)[::2]  # 1st, 3rd
         row[f"{key}_direct_us"] = paired.b_us
 
 
 def graph_times(row, steps, tp: bool) -> None:
-    """GPU µs from a CUDA graph of 10 calls, for the host-bound shapes (the others are
-    GPU-bound eager); none under --tp."""
+    """GPU µs of a CUDA graph of 10 calls for host-bound shapes (GPU-bound: eager); not --tp."""
     for who, step in steps.items():
         row[f"{who}_graph_us"] = math.nan
         if tp or who == "unfused" or row[f"{who}_eager_us"] > 2000:
@@ -177,65 +131,51 @@ def graph_times(row, steps, tp: bool) -> None:
             bc.log(f"  {who}: no CUDA graph ({row[f'{who}_graph_error']})")
 
 
-def measure_case(
-    name, rule, seq, direct_case, sequential_case, smoke, cycles, tp=False, pairs=200
-) -> dict:
-    """``tp``: every call holds a collective, so each rank makes the same number of calls (no
-    adaptive counts: a rank that makes one more call than another waits for ever) and no CUDA
-    graphs are taken."""
+def measure_case(name, rule, seq, direct_case, sequential_case, smoke, cycles, tp=False,
+                 pairs=200) -> dict:  # fmt: skip
+    """``tp``: every call holds a collective, so each rank makes the same number of calls (a rank
+    that makes one more waits for ever) and no CUDA graphs are taken."""
     (direct, direct_leaves), (sequential, seq_leaves) = direct_case, sequential_case
     grads = output_grads(direct)
-    # The two must agree before they are timed. No autograd graph may outlive this check: a
-    # graph kept alive across the CUDA-graph capture below would break it.
+    # they must agree before timing; no autograd graph may outlive this (it breaks a capture)
     with torch.no_grad():
         out_d, out_s = direct(), sequential()
-    tup = lambda o: o if isinstance(o, tuple) else (o,)
-    err = max(_error(s, d) for s, d in zip(tup(out_s), tup(out_d)))
+    rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-30))
+    err = max(rel(s.float(), d.float()) for s, d in zip(_tuple(out_s), _tuple(out_d)))
     plan = seq.plan()  # for an input of the parameters' dtype and device
     fused = rule in plan.fused("forward") or rule in plan.fused("backward")
-    steps = {
-        "sequential": training_step(sequential, grads, seq_leaves),
-        "direct": training_step(direct, grads, direct_leaves),
-        "unfused": _unfused(training_step(sequential, grads, seq_leaves)),
-    }
+    seq_step = training_step(sequential, grads, seq_leaves)
+    steps = {"sequential": seq_step, "direct": training_step(direct, grads, direct_leaves),
+             "unfused": mf.fusions(disable=["all"])(seq_step)}  # fmt: skip
     row = {"case": name, "rule": rule, "applied": fused, "output_rel_err": err}
     if smoke:
         for who, step in steps.items():
             row[f"{who}_host_us"] = bc.host_ms(step) * 1e3
     else:
-        host_rounds(row, steps, cycles, tp)
-        paired_gaps(row, steps, cycles, tp, pairs)
+        host_figures(row, steps, cycles, tp, pairs)
         graph_times(row, steps, tp)
     d, s = row["direct_host_us"], row["sequential_host_us"]
     if "host_gap_cpu_us" in row:  # the direct op's CPU time per call sets the allowance
         d = row["host_gap_cpu_direct_us"]
     allowance = max(10.0, 0.1 * d)
-    row["host_allowance_us"] = allowance
-    row["host_budget_us"] = d + allowance
-    row["host_target_met"] = row.get("host_gap_cpu_us", s - d) <= allowance
+    row.update(host_allowance_us=allowance, host_budget_us=d + allowance,
+               host_target_met=row.get("host_gap_cpu_us", s - d) <= allowance)  # fmt: skip
     if not smoke:
         row["fused_speedup_eager"] = row["unfused_eager_us"] / row["sequential_eager_us"]
     return row
 
 
-def autocast_cases(smoke: bool, dev):
+def single_gpu_cases(smoke: bool, dev, autocast: bool = False):
+    """(name, rule, case) of every chain (``autocast``: the grouped MLP's, fp32 under autocast)."""
+    if autocast:
+        shapes = [(64, 4, 64, 64)] if smoke else [(1024, 8, 1024, 1024), (32768, 64, 2048, 1024)]
+        name = lambda R, E, H, F: "mlp_tiny" if smoke else f"mlp R={R} E={E} H={H} F={F}"
+        return [(f"{name(*s)} autocast", "grouped_mlp", mlp_case(*s, dev, True)) for s in shapes]
     if smoke:
-        return [("mlp_tiny autocast", "grouped_mlp", mlp_case(64, 4, 64, 64, dev, True))]
-    return [
-        (f"mlp R={R} E={E} H={H} F={F} autocast", "grouped_mlp",
-         mlp_case(R, E, H, F, dev, True))
-        for R, E, H, F in ((1024, 8, 1024, 1024), (32768, 64, 2048, 1024))
-    ]  # fmt: skip
-
-
-def single_gpu_cases(smoke: bool, dev):
-    if smoke:
-        return [
-            ("mlp_tiny", "grouped_mlp", mlp_case(64, 4, 64, 64, dev)),
-            ("norm_tiny", "add_rmsnorm", norm_case(16, 64, dev)),
-            ("linear_norm_tiny", "add_rmsnorm", linear_norm_case(16, 64, dev)),
-            ("moe_tiny", "moe", moe_case(16, 64, 4, 2, 64, dev)),
-        ]
+        return [("mlp_tiny", "grouped_mlp", mlp_case(64, 4, 64, 64, dev)),
+                ("norm_tiny", "add_rmsnorm", norm_case(16, 64, dev)),
+                ("linear_norm_tiny", "add_rmsnorm", linear_norm_case(16, 64, dev)),
+                ("moe_tiny", "moe", moe_case(16, 64, 4, 2, 64, dev))]  # fmt: skip
     return [
         ("mlp R=1024 E=8 H=1024 F=1024", "grouped_mlp", mlp_case(1024, 8, 1024, 1024, dev)),
         ("mlp R=32768 E=64 H=2048 F=1024", "grouped_mlp", mlp_case(32768, 64, 2048, 1024, dev)),
@@ -248,16 +188,13 @@ def single_gpu_cases(smoke: bool, dev):
 
 
 def tp_cases(dev, smoke: bool):
-    import torch.distributed as dist
-
     W, rank = dist.get_world_size(), dist.get_rank()
     cases = []
     for T, H in ((16, 64),) if smoke else ((256, 4096), (4096, 4096)):
         dt = torch.float32 if smoke else DT
-        seq = mf.Sequential(
-            mf.Linear(H, H, mode="row", device=dev, dtype=dt), mf.AllReduce(),
-            mf.AddExtraInput(), mf.MakeExtraOutput(), mf.RMSNorm(H, device=dev, dtype=dt),
-        )  # fmt: skip
+        seq = mf.Sequential(mf.Linear(H, H, mode="row", device=dev, dtype=dt), mf.AllReduce(),
+                            mf.AddExtraInput(), mf.MakeExtraOutput(),
+                            mf.RMSNorm(H, device=dev, dtype=dt))  # fmt: skip
         row = RowParallelLinear(H, H, norm=RMSNorm(H, device=dev, dtype=dt), device=dev, dtype=dt)
         with torch.no_grad():
             row.weight.copy_(seq[0].weight)
@@ -266,9 +203,8 @@ def tp_cases(dev, smoke: bool):
         r = torch.randn(T, H, device=dev, dtype=dt, requires_grad=True)
         direct = (lambda row=row, x=x, r=r: row(x, r), [x, r, *row.parameters()])
         sequential = (lambda seq=seq, x=x, r=r: seq(x, r), [x, r, *seq.parameters()])
-        cases.append(
-            (f"allreduce T={T} H={H} W={W}", "allreduce_add_rmsnorm", (seq, direct, sequential))
-        )
+        name = f"allreduce T={T} H={H} W={W}"
+        cases.append((name, "allreduce_add_rmsnorm", (seq, direct, sequential)))
     return cases
 
 
@@ -284,57 +220,40 @@ COLUMNS = [
 def main() -> None:
     ap = bc.parser(__doc__)
     ap.add_argument("--tp", action="store_true", help="the all-reduce rule, under torchrun")
-    ap.add_argument("--only", default="", help="only the cases whose name contains one of "
-                    "these (comma-separated)")  # fmt: skip
+    ap.add_argument("--only", default="", help="cases whose name contains one of these (a,b,..)")
     ap.add_argument("--pairs", type=int, default=200, help="adjacent call pairs for the gap")
-    ap.add_argument(
-        "--autocast", action="store_true",
-        help="the grouped_mlp chain with fp32 parameters under bf16 autocast",
-    )  # fmt: skip
+    ap.add_argument("--autocast", action="store_true", help="grouped_mlp, fp32 params, autocast")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     cuda = torch.cuda.is_available()
+    smoke = args.smoke or not cuda
     if args.tp:
-        import torch.distributed as dist
-
-        from moekit.distributed import init_distributed
-
         init_distributed()
         dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        cases = tp_cases(dev, args.smoke or not cuda)
+        cases = tp_cases(dev, smoke)
     else:
         dev = torch.device("cuda" if cuda else "cpu")
-        make = autocast_cases if args.autocast else single_gpu_cases
-        cases = make(args.smoke or not cuda, dev)
-    smoke = args.smoke or not cuda
+        cases = single_gpu_cases(smoke, dev, args.autocast)
     cycles = bc.sleep_cycles_per_ms() if cuda else None
     writer = not args.tp or dist.get_rank() == 0
     stem = "fusion_tp" if args.tp else "fusion_autocast" if args.autocast else "fusion"
-    json_path = os.path.join(args.out, f"{stem}.json")
-    device = torch.cuda.get_device_name() if cuda else "cpu"
-    rows = []
-    for name, rule, (seq, direct, sequential) in cases:
+    data = {"device": bc.device_name(cuda), "rows": []}
+    for name, rule, case in cases:
         if args.only and not any(part in name for part in args.only.split(",")):
             continue
-        print(f"{name}: {rule}", flush=True)
-        print("  " + str(seq.plan()).replace("\n", "\n  "), flush=True)
-        rows.append(
-            measure_case(name, rule, seq, direct, sequential, smoke, cycles, args.tp, args.pairs)
-        )
-        if cuda:
-            torch.cuda.empty_cache()  # the CUDA graphs' memory pools
+        bc.log(f"{name}: {rule}\n  " + str(case[0].plan()).replace("\n", "\n  "))
+        data["rows"].append(measure_case(name, rule, *case, smoke, cycles, args.tp, args.pairs))
+        bc.release_memory()  # the CUDA graphs' memory pools
         if writer:  # each case as it finishes: a run cut short keeps the cases it measured
-            bc.write_json(json_path, {"device": device, "rows": rows})
+            bc.write_json(os.path.join(args.out, f"{stem}.json"), data)
     if args.tp:
-        # every rank leaves the group before exiting: a process that exits with a live gloo
-        # group may abort in its threads' teardown
+        # every rank leaves the group: exiting with a live gloo group may abort at teardown
         dist.destroy_process_group()
-    if not writer:
-        return
-    series = {w: f"{w}_host_us" for w in ("direct", "sequential", "unfused")}
-    panel = bc.bars(rows, {**series, "target (budget)": "host_budget_us"}, "host µs per fwd + bwd",
-                    label="case", title="moekit.fusion.Sequential vs the fused op called directly")  # fmt: skip
-    bc.finish(args.out, stem, {"device": device, "rows": rows}, COLUMNS, [panel], floatfmt=".1f")
+    if writer:
+        series = {w: f"{w}_host_us" for w in ("direct", "sequential", "unfused")}
+        panel = bc.bars(data["rows"], {**series, "target (budget)": "host_budget_us"},
+                        "host µs per fwd + bwd", label="case",
+                        title="moekit.fusion.Sequential vs the fused op called directly")  # fmt: skip
+        bc.finish(args.out, stem, data, COLUMNS, [panel], floatfmt=".1f")
 
 
 if __name__ == "__main__":

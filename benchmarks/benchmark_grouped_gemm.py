@@ -2,22 +2,18 @@
 
     python benchmarks/benchmark_grouped_gemm.py --out bench_out [--quick] [--draws 3] [--shapes ...]
 
-Per MoE shape and pass (fc1, fc2, dgrad: ragged M; wgrad: ragged K, fp32 main_grad and bf16),
-do_bench median, best of 3 rounds taken in turns with the dense torch.mm 8192³ ceiling (same
-clock). Skewed draws (plus uniform for the first shape); targets read on each cell's
-geometric-mean ratio over --draws.
+Per MoE shape and pass (fc1, fc2, dgrad: ragged M; wgrad: ragged K, fp32 main_grad and bf16):
+do_bench median, best of 3 rounds in turns with the dense torch.mm 8192³ ceiling (same clock).
+Skewed draws (and uniform for the first shape); targets on the geometric mean over --draws.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
+import statistics
 
 import common as bc
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
 from moekit.ops import grouped_mm
 from moekit.tuning.grouped_gemm import tuned_configs
@@ -58,12 +54,11 @@ def passes(T, E, H, F, counts, dtype) -> dict:
     out = {p: (fl, lambda a=a, b=b: grouped_mm(a, b, offs),
                lambda a=a, b=b: torch._grouped_mm(a, b, offs=offs), lambda a=a, b=b: loop_m(a, b))
            for p, (a, b, fl) in ragged_m.items()}  # fmt: skip
-    out["fc1_wgrad_fp32"] = (
-        4 * T * F * H, lambda: grouped_mm(dyt, x, offs, out=main_grad, accumulate=True),
-        # torch refuses fp32 out: its equivalent is bf16 out + add into main_grad
-        lambda: main_grad_t.add_(torch._grouped_mm(dyt, x, offs=offs)),
-        lambda: main_grad_t.add_(loop_k(dyt, x)),
-    )  # fmt: skip
+    # torch refuses an fp32 out: its equivalent is a bf16 out added into main_grad
+    out["fc1_wgrad_fp32"] = (4 * T * F * H,
+                             lambda: grouped_mm(dyt, x, offs, out=main_grad, accumulate=True),
+                             lambda: main_grad_t.add_(torch._grouped_mm(dyt, x, offs=offs)),
+                             lambda: main_grad_t.add_(loop_k(dyt, x)))  # fmt: skip
     out["fc1_wgrad_bf16"] = (4 * T * F * H, lambda: grouped_mm(dyt, x, offs),
                              lambda: torch._grouped_mm(dyt, x, offs=offs),
                              lambda: loop_k(dyt, x))  # fmt: skip
@@ -74,14 +69,13 @@ def run_case(name, T, E, H, F, counts, draw, peak, quick, dense: bc.DensePeak) -
     """Every pass of one shape on one routing (``draw`` None: uniform counts): one row each."""
     rows = []
     for pname, (flops, ours, theirs, loop) in passes(T, E, H, F, counts, torch.bfloat16).items():
-        # the dense peak runs in the same rounds (% of peak at the same clock); torch refuses
-        # some layouts: NaN
+        # the dense peak in the same rounds (% of peak at one clock); a layout torch refuses: NaN
         fns = {"dense": dense.mm, "moekit": ours, "torch": theirs,
                **({} if quick else {"loop": loop})}  # fmt: skip
         r = {"shape": name, "routing": "uniform" if draw is None else "skewed", "draw": draw,
              "T": T, "E": E, "H": H, "F": F, "pass": pname, "loop_ms": math.nan}  # fmt: skip
         bc.measure(fns, {"ms": bc.bench_ms}, 3, r)
-        pass_peak = dense.tflops(r["dense_ms"])
+        pass_peak = dense.tflops(r.pop("dense_ms"))
         r.update({f"{c}_tflops": flops / r[f"{c}_ms"] / 1e9 for c in ("moekit", "torch", "loop")})
         r.update(ratio_vs_torch=r["torch_ms"] / r["moekit_ms"], floor_ms=flops / (peak * 1e9),
                  ratio_per_round=[t / o for o, t in zip(r["moekit_ms_rounds"], r["torch_ms_rounds"])],
@@ -89,7 +83,7 @@ def run_case(name, T, E, H, F, counts, draw, peak, quick, dense: bc.DensePeak) -
         for c in ("moekit", "torch"):
             r[f"{c}_pct_peak"] = 100 * r[f"{c}_tflops"] / peak
             r[f"{c}_pct_pass_peak"] = 100 * r[f"{c}_tflops"] / pass_peak
-        rows.append({k: v for k, v in r.items() if not k.endswith("_rounds") and k != "dense_ms"})
+        rows.append(bc.without_rounds(r))
     return rows
 
 
@@ -100,8 +94,7 @@ _AVERAGED = (
 
 
 def aggregate_draws(rows: list[dict]) -> list[dict]:
-    """One cell per (shape, routing, pass): figures averaged over the draws, the ratio as the
-    geometric mean of the draws' ratios (listed in ``ratio_per_draw``)."""
+    """One cell per (shape, routing, pass): draws averaged, the ratio their geometric mean."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault((r["shape"], r["routing"], r["pass"]), []).append(r)
@@ -112,10 +105,9 @@ def aggregate_draws(rows: list[dict]) -> list[dict]:
             continue
         ratios = [r["ratio_vs_torch"] for r in rs]
         cell = {k: v for k, v in rs[0].items() if k not in ("draw", "ratio_per_round")}
-        cell.update({k: sum(r[k] for r in rs) / len(rs) for k in _AVERAGED})
-        cell["draw"] = f"mean of {len(rs)}"
-        cell["ratio_vs_torch"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-        cell["ratio_per_draw"] = ratios
+        cell.update({k: statistics.fmean(r[k] for r in rs) for k in _AVERAGED})
+        cell.update(draw=f"mean of {len(rs)}", ratio_vs_torch=statistics.geometric_mean(ratios),
+                    ratio_per_draw=ratios)  # fmt: skip
         cells.append(cell)
     return cells
 
@@ -125,10 +117,8 @@ def target_summary(rows: list[dict]) -> list[str]:
     out = ["", "targets:"]
     below = [r for r in rows if r["ratio_vs_torch"] < 1.0]
     out.append(f"  ratio < 1.0: {len(below)} of {len(rows)} " + _cells(below))
-    for key, what in (
-        ("torch_pct_peak", "the start-of-run peak"),
-        ("torch_pct_pass_peak", "the peak timed in the pass's rounds"),
-    ):
+    for key, what in (("torch_pct_peak", "the start-of-run peak"),
+                      ("torch_pct_pass_peak", "the peak timed in the pass's rounds")):  # fmt: skip
         room = [r for r in rows if r[key] < 80.0]
         short = [r for r in room if r["ratio_vs_torch"] < 1.15]
         out.append(f"  torch < 80% of {what}: {len(room)} cells; below 1.15x: {len(short)} "
@@ -141,11 +131,9 @@ def target_summary(rows: list[dict]) -> list[str]:
 
 
 def _cells(rows: list[dict]) -> str:
-    return " ".join(
-        f"{r['shape']}/{r['routing'][:4]}/{r['pass']}={r['ratio_vs_torch']:.2f}"
-        f" ({'draws' if 'ratio_per_draw' in r else 'rounds'} {_spread(r)})"
-        for r in rows
-    )
+    return " ".join(f"{r['shape']}/{r['routing'][:4]}/{r['pass']}={r['ratio_vs_torch']:.2f} "
+                    f"({'draws' if 'ratio_per_draw' in r else 'rounds'} {_spread(r)})"
+                    for r in rows)  # fmt: skip
 
 
 def _spread(row: dict) -> str:
@@ -173,12 +161,10 @@ def main() -> None:
     peak = dense.tflops()
     print(f"device: {torch.cuda.get_device_name()}  dense bf16 peak (torch.mm 8192^3): "
           f"{peak:.0f} TFLOP/s")  # fmt: skip
-    wanted = set(args.shapes.split(",")) if args.shapes else set()
     rows = []
-    for i, (name, T, E, H, F) in enumerate(s for s in SHAPES if s[0] in wanted):
+    for i, (name, T, E, H, F) in enumerate(bc.pick(SHAPES, args.shapes)):
         for draw in ([None] if i == 0 and name == SHAPES[0][0] else []) + list(range(args.draws)):
-            uniform = draw is None
-            counts = bc.routing_counts(T, E, False, gen) if uniform else bc.skewed_routing(T, E, draw)  # fmt: skip
+            counts = bc.routing_counts(T, E, False, gen) if draw is None else bc.skewed_routing(T, E, draw)  # fmt: skip
             rows += run_case(name, T, E, H, F, counts, draw, peak, args.quick, dense)
     peak2, cells = dense.tflops(), aggregate_draws(rows)
     configs = {str(k): str(v) for k, v in tuned_configs().items()}

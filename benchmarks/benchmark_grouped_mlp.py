@@ -2,26 +2,23 @@
 
     python benchmarks/benchmark_grouped_mlp.py --out bench_out [--quick] [--smoke]
 
-SwiGLU expert MLP, forward + autograd.grad, 18·R·H·F FLOPs, skewed routing. Ceiling: dense
-torch.mm, at the start and the end. Host overhead at a CPU-bound shape (host µs behind a GPU
-sleep, both autograd thread modes, against a kernel-less autograd floor; launches; CUDA-graph
-replay). Per shape: do_bench median, best of 2 rounds, of moekit, moekit_recompute,
-torch_grouped_mm and loop (not with --quick), peak and saved MiB. Writes grouped_mlp.json
-(after every shape; --budget-s) and .png.
+SwiGLU expert MLP, forward + autograd.grad, 18·R·H·F FLOPs, skewed routing; ceiling: dense
+torch.mm at the start and the end. Host overhead at a CPU-bound shape (behind a GPU sleep, both
+autograd thread modes, against a kernel-less floor; launches; CUDA-graph replay). Per shape:
+do_bench median, best of 2 rounds, of moekit, moekit_recompute, torch_grouped_mm and loop (not
+--quick), peak and saved MiB; the JSON after every shape (--budget-s).
 """
 
 from __future__ import annotations
 
 import math
 import os
-import sys
 import time
+from functools import partial
 
 import common as bc
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
 
 from moekit.ops import grouped_mlp
 from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
@@ -106,18 +103,6 @@ def saved_mib(step, cuda: bool) -> float:
     return held / 2**20
 
 
-def count_launches(step) -> int:
-    """CUDA kernel launches (memset / memcpy included) of one forward + backward."""
-    from torch.profiler import ProfilerActivity, profile
-
-    step()  # warm: compilation and autotuning stay out of the count
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in prof.events())
-
-
 def run_shape(shape, names, ms, peak, device, seed, cuda) -> dict:
     """One shape, skewed routing: warm + memory, then timing in alternating rounds."""
     name, R, E, H, Fd = shape
@@ -137,71 +122,62 @@ def run_shape(shape, names, ms, peak, device, seed, cuda) -> dict:
     row["ratio_vs_torch"] = row["torch_grouped_mm_ms"] / row["moekit_ms"]
     row["ratio_recompute_vs_torch"] = row["torch_grouped_mm_ms"] / row["moekit_recompute_ms"]
     if cuda and seed == 0:
-        row["launches"] = {c: count_launches(steps[c]) for c in names if c != "loop"}
+        row["launches"] = {c: bc.count_launches(steps[c]) for c in names if c != "loop"}
     return row
 
 
-# (autograd multithreading, key suffix): autograd's default runs backward on its per-device
-# thread while the caller waits; set_multithreading_enabled(False) runs it on the caller's.
+# (autograd multithreading, key suffix): backward on autograd's device thread, or the caller's
 HOST_MODES = ((True, "host_us"), (False, "host_us_caller_thread"))
 
 
 def run_host(names, ms, device, n, cycles, cuda, smoke) -> dict:
-    """Host µs per forward + backward at the CPU-bound shape (best of 3 rounds in turns, each
-    contender in both autograd modes), against AutogradFloor, which launches nothing; then the
-    launches per call and the replay of a CUDA graph of one call (host and GPU µs)."""
+    """Host µs per fwd + bwd at the CPU-bound shape (best of 3 rounds in turns, both autograd
+    modes) against AutogradFloor; launches per call; a CUDA graph's replay (host and GPU µs)."""
     name, R, E, H, Fd = ("smoke_host", 64, 4, 32, 16) if smoke else HOST_SHAPE
     steps = make_steps(*make_inputs(R, E, H, Fd, False, device, 1234), [*names, FLOOR])
     res = {"shape": name, "R": R, "E": E, "H": H, "F": Fd, "calls": n}
 
-    def timer(multithreaded):
-        def host(fn):
-            with torch.autograd.set_multithreading_enabled(multithreaded):
-                us, covered = bc.host_us_per_call(fn, n, cycles, passes=1)
-            return us if covered else math.inf  # the GPU went idle: the host waited
+    def host(fn, multithreaded: bool) -> float:
+        with torch.autograd.set_multithreading_enabled(multithreaded):
+            us, covered = bc.host_us_per_call(fn, n, cycles, passes=1)
+        return us if covered else math.inf  # the GPU went idle: the host waited
 
-        return host
-
-    bc.measure(steps, {key: timer(mt) for mt, key in HOST_MODES}, 3, res)
-    for _, key in HOST_MODES:
-        res[f"host_ratio_moekit_vs_torch{key[7:]}"] = (res[f"moekit_{key}"]
-                                                         / res[f"torch_grouped_mm_{key}"])  # fmt: skip
+    bc.measure(steps, {key: partial(host, multithreaded=mt) for mt, key in HOST_MODES}, 3, res)
+    for _, k in HOST_MODES:
+        res[f"host_ratio_moekit_vs_torch{k[7:]}"] = (
+            res[f"moekit_{k}"] / res[f"torch_grouped_mm_{k}"]
+        )
     if cuda:  # after all the host timings: the profiler and graphs must not perturb them
-        bc.measure(steps, {"eager_gpu_us": lambda f: ms(f) * 1e3, "launches": count_launches}, 1,
+        bc.measure(steps, {"eager_gpu_us": lambda f: ms(f) * 1e3, "launches": bc.count_launches}, 1,
                    res)  # fmt: skip
-        graphs = {
-            c: bc.capture(steps[c]).replay for c in ("torch_grouped_mm", *names) if c != "loop"
-        }
+        graphs = {c: bc.capture(steps[c]).replay
+                  for c in ("torch_grouped_mm", *names) if c != "loop"}  # fmt: skip
         bc.measure(graphs, {"graph_host_us": lambda f: bc.host_us_per_call(f, n, cycles)[0],
                             "graph_gpu_us": lambda f: ms(f) * 1e3}, 1, res)  # fmt: skip
-    return {k: v for k, v in res.items() if not k.endswith("_rounds")}
+    return bc.without_rounds(res)
 
 
-def main() -> int:
+def main() -> None:
     ap = bc.parser(__doc__, quick="skip the loop baseline, fewer reps")
     ap.add_argument("--shapes", default=None, help="comma list of shape names (default: all)")
-    ap.add_argument("--budget-s", type=float, default=None,
-                    help="start no new shape past this many seconds (default 150 / 900 quick)")  # fmt: skip
+    ap.add_argument("--budget-s", type=float, help="no new shape after (default 150 quick, 900)")
     args = ap.parse_args()
     t_start, cuda = time.time(), torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    shapes = [s for s in shapes if not args.shapes or s[0] in args.shapes.split(",")]
-    budget = args.budget_s if args.budget_s is not None else (150.0 if args.quick else 900.0)
+    shapes = bc.pick(SMOKE_SHAPES if args.smoke else SHAPES, args.shapes)
+    budget = args.budget_s or (150.0 if args.quick else 900.0)
     names = [c for c in CONTENDERS if not (args.quick and c == "loop")]
-    os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
     ms = bc.eager_timer(cuda, *((10, 60) if args.quick or args.smoke else (25, 200)))
     dense = lambda: bc.DensePeak(DTYPE, device, 8192 if cuda else 512, ms).tflops()
     peak, n = dense(), 10 if args.smoke else 50
-    state = {"device": torch.cuda.get_device_name() if cuda else "cpu", "args": vars(args),
-             "peak_tflops": [peak], "rows": []}  # fmt: skip
+    state = {"device": bc.device_name(cuda), "args": vars(args), "peak_tflops": [peak], "rows": []}
     bc.log(f"device: {state['device']}  dense bf16 peak (torch.mm): {peak:.0f} TFLOP/s")
     cycles = bc.sleep_cycles_per_ms() if cuda else None
-    _, _, failed = bc.run_cases([("host overhead", lambda: run_host(
-        names, ms, device, n, cycles, cuda, args.smoke))], after=lambda r: state.update(host=r))  # fmt: skip
-    state["host"] = (state.get("host") or [None])[0]
-    cases = [(s[0], lambda i=i, s=s: run_shape(s, names, ms, peak, device, i, cuda))
+    host = partial(run_host, names, ms, device, n, cycles, cuda, args.smoke)
+    host, _, failed = bc.run_cases([("host overhead", host)])
+    state["host"] = host[0] if host else None
+    cases = [(s[0], partial(run_shape, s, names, ms, peak, device, i, cuda))
              for i, s in enumerate(shapes)]  # fmt: skip
     path = os.path.join(args.out, "grouped_mlp.json")
     after = lambda rows: bc.write_json(path, {**state, "rows": rows})
@@ -219,8 +195,7 @@ def main() -> int:
             "ratio_vs_torch", "ratio_recompute_vs_torch", *(f"{c}_peak_mib" for c in names),
             *(f"{c}_saved_mib" for c in names if c != "loop")]  # fmt: skip
     bc.finish(args.out, "grouped_mlp", state, cols, [tf, hp])
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import sys
 from functools import partial
 
 import common as bc
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
-
 import transformers
 
 import moekit.integrations.transformers  # noqa: F401  (registers "moekit")
@@ -34,12 +29,9 @@ MODELS = {
                  num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=16,
                  num_key_value_heads=16)),
 }  # fmt: skip
-SMOKE_MODELS = {
-    "smoke_qwen3": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32,
-                    intermediate_size=96, num_experts=8, num_experts_per_tok=2,
-                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=16)),
-}  # fmt: skip
+SMOKE_MODELS = {"smoke_qwen3": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32,
+                intermediate_size=96, num_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16))}  # fmt: skip
 IMPLS = ("moekit", "grouped_mm", "batched_mm", "eager")
 TRAIN_TARGETS = {"grouped_mm": 1.5, "eager": 3.0}
 AUTOCAST_IMPLS = ("moekit", "grouped_mm")
@@ -49,13 +41,10 @@ PASSES = ("train", "train_autocast", "generate1", "generate16")
 
 def build(family: str, dims: dict, device, dtype):
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(
-        family, vocab_size=32768, max_position_embeddings=8192, tie_word_embeddings=False, **dims
-    )
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, experts_implementation="eager", dtype=dtype
-    )
-    return model.to(device)
+    config = transformers.AutoConfig.for_model(family, vocab_size=32768, tie_word_embeddings=False,
+                                               max_position_embeddings=8192, **dims)  # fmt: skip
+    auto = transformers.AutoModelForCausalLM
+    return auto.from_config(config, experts_implementation="eager", dtype=dtype).to(device)
 
 
 def seconds(fn, steps: int, cuda: bool) -> float:
@@ -92,11 +81,7 @@ def generate_tokens_per_s(model, impl, batch, new_tokens, cuda, warm: bool = Tru
     model.eval()
     ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=model.device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-    def run():
-        with torch.no_grad():
-            model.generate(ids, **kw, pad_token_id=0)
-
+    run = torch.no_grad()(lambda: model.generate(ids, **kw, pad_token_id=0))
     if warm:
         run()
     return batch * new_tokens / seconds(run, 1, cuda)
@@ -129,9 +114,16 @@ def _guard(row: dict, fn, key: str, better=None) -> None:
     row[key] = better(row[key], v) if better and key in row and v == v else row.get(key, v)
 
 
-def run_rounds(r: dict, model, args, cuda: bool, new_tokens: int) -> None:
-    """Generation and experts-alone calls: short, noisy host timings, so the backends take
-    turns and each keeps its best of GENERATE_ROUNDS (eager, far behind: one round)."""
+def run_model(name: str, family: str, dims: dict, args, cuda: bool, device, dtype) -> dict:
+    seq, new_tokens = (32, 4) if args.smoke else (4096, 128)
+    model = build(family, dims, device, dtype)
+    r = {"model": name, "family": family, "seq": seq, "batch": args.batch}
+    steps = 1 if args.smoke else (3 if args.quick else 6)
+    train = partial(train_tokens_per_s, seq=seq, batch=args.batch, cuda=cuda)
+    for impl in IMPLS[:2] + (() if args.quick else ("eager",)):  # batched_mm: decode only
+        n = 1 if impl == "eager" else steps
+        _guard(r, partial(train, model, impl, steps=n), f"train_{impl}")
+    # generate / experts alone: noisy host timings, the backends take turns, each keeps its best
     rounds = 0 if args.train_only else 1 if args.smoke else GENERATE_ROUNDS
     for rnd in range(rounds):
         for impl, b in itertools.product(IMPLS[: 3 if rnd else 4], (1, 16)):
@@ -139,44 +131,23 @@ def run_rounds(r: dict, model, args, cuda: bool, new_tokens: int) -> None:
             _guard(r, fn, f"generate{b}_{impl}", max)
     for _, impl, t in itertools.product(range(rounds), IMPLS[:-1], (1, 16)):
         _guard(r, partial(experts_call_us, model, impl, t, cuda), f"experts{t}_us_{impl}", min)
-
-
-def ratios(r: dict) -> None:
-    for base in TRAIN_TARGETS:
-        if f"train_{base}" in r:
-            r[f"train_vs_{base}"] = r["train_moekit"] / r[f"train_{base}"]
-    for b in (1, 16) if "generate1_moekit" in r else ():
-        builtin = [r.get(f"generate{b}_{i}", math.nan) for i in IMPLS[1:]]
-        r[f"generate{b}_vs_best_builtin"] = r[f"generate{b}_moekit"] / max(
-            (v for v in builtin if v == v), default=math.nan
-        )
-        if f"experts{b}_us_moekit" in r:
-            r[f"experts{b}_us_builtin_best"] = min(
-                r[f"experts{b}_us_{i}"] for i in ("grouped_mm", "batched_mm")
-            )
-
-
-def run_model(name: str, family: str, dims: dict, args, cuda: bool, device, dtype) -> dict:
-    seq, new_tokens = (32, 4) if args.smoke else (4096, 128)
-    model = build(family, dims, device, dtype)
-    r = {"model": name, "family": family, "seq": seq, "batch": args.batch}
-    steps = 1 if args.smoke else (3 if args.quick else 6)
-    for impl in IMPLS[:2] + (() if args.quick else ("eager",)):  # batched_mm: decode only
-        fn = partial(
-            train_tokens_per_s, model, impl, seq, args.batch, 1 if impl == "eager" else steps, cuda
-        )
-        _guard(r, fn, f"train_{impl}")
-    run_rounds(r, model, args, cuda, new_tokens)
     if args.autocast:
         del model
         model = build(family, dims, device, torch.float32)
         for impl in AUTOCAST_IMPLS:
-            fn = partial(train_tokens_per_s, model, impl, seq, args.batch, steps, cuda, True)
+            fn = partial(train, model, impl, steps=steps, autocast=True)
             _guard(r, fn, f"train_autocast_{impl}")
-        r["train_autocast_vs_grouped_mm"] = (
-            r["train_autocast_moekit"] / r["train_autocast_grouped_mm"]
-        )
-    ratios(r)
+        ac = {i: r[f"train_autocast_{i}"] for i in AUTOCAST_IMPLS}
+        r["train_autocast_vs_grouped_mm"] = ac["moekit"] / ac["grouped_mm"]
+    for base in TRAIN_TARGETS:
+        if f"train_{base}" in r:
+            r[f"train_vs_{base}"] = r["train_moekit"] / r[f"train_{base}"]
+    for b in (1, 16) if "generate1_moekit" in r else ():
+        best = max((v for v in (r.get(f"generate{b}_{i}", math.nan) for i in IMPLS[1:]) if v == v),
+                   default=math.nan)  # fmt: skip
+        r[f"generate{b}_vs_best_builtin"] = r[f"generate{b}_moekit"] / best
+        if f"experts{b}_us_moekit" in r:
+            r[f"experts{b}_us_builtin_best"] = min(r[f"experts{b}_us_{i}"] for i in IMPLS[1:3])
     return r
 
 
@@ -203,25 +174,22 @@ def report_rows(rows: list[dict]) -> list[dict]:
 def main() -> None:
     ap = bc.parser(__doc__, quick="fewer steps, no eager training")
     ap.add_argument("--batch", type=int, default=2, help="training sequences per step")
-    ap.add_argument("--autocast", action="store_true",
-                    help="also train an fp32 copy under bf16 autocast")  # fmt: skip
+    ap.add_argument("--autocast", action="store_true", help="also fp32 params, bf16 autocast")
     ap.add_argument("--train-only", action="store_true", help="skip generation and experts")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    run = partial(run_model, args=args, cuda=cuda, device=device, dtype=dtype)
     models = SMOKE_MODELS if args.smoke else MODELS
-    cases = [(n, lambda n=n, f=f, d=d: run_model(n, f, d, args, cuda, device, dtype))
-             for n, (f, d) in models.items()]  # fmt: skip
-    rows, _, failed = bc.run_cases(cases)
-    meta = {"device": bc.device_name(cuda), "torch": torch.__version__, "failed": failed,
-            "transformers": transformers.__version__}  # fmt: skip
+    rows, _, failed = bc.run_cases((n, partial(run, n, *fd)) for n, fd in models.items())
+    meta = bc.meta(cuda, failed=failed, transformers=transformers.__version__)
     panels = [bc.Panel({r["model"]: [r.get(f"{p}_{i}") or 0.0 for i in IMPLS] for r in rows},
                        "tokens/s", IMPLS, title=p)
               for p in PASSES if any(f"{p}_moekit" in r for r in rows)]  # fmt: skip
     bc.log(f"tokens/s, {meta['device']}, bf16" if cuda else "tokens/s, cpu (smoke)")
     data = {"meta": meta, "rows": rows, "table": report_rows(rows)}
-    bc.finish(args.out, "hf", data, ["model", "pass", *IMPLS, "moekit ×"], panels, title="",
-              floatfmt=",.0f", rows_key="table")  # fmt: skip
+    cols = ["model", "pass", *IMPLS, "moekit ×"]
+    bc.finish(args.out, "hf", data, cols, panels, floatfmt=",.0f", rows_key="table")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,13 @@
     python benchmarks/benchmark_moe_layer.py --out bench_out [--quick] [--smoke] [--autocast]
     torchrun --nproc_per_node=N benchmarks/benchmark_moe_layer.py --ep N --out bench_out
 
-One GPU, Qwen3-30B-A3B / OLMoE / DeepSeek-V3 (one EP8 rank) / Mixtral sizes, bf16, skewed
-routing, aux loss on. Contenders: moekit (also recomputing the activation), torch
-(torch_moe.py), loop (not with --quick): do_bench median, best of interleaved rounds, and a CUDA
-graph of 5 calls. Ceiling: 18·T·k·H·F FLOPs at this run's dense torch.mm rate. The router alone
-against the torch composition and a kernel-less autograd floor. --autocast: fp32 parameters
-under bf16 autocast against the bf16 layer, the torch MoE with the same casts and the casts'
-byte floor. --ep N: tokens/s per GPU (slowest rank, fixed call counts) of moekit's modes
-against torch with all_to_all_single, the exchange alone (GB/s against the GPU1→GPU0 copy
-rate) and --ep-baseline scaling (run_moe_ep.sh). Writes moe_layer.json (moe_layer_ep<N>.json).
+Real MoE sizes, bf16, skewed routing, aux loss on. moekit (also recomputing the activation),
+torch (torch_moe.py), loop (not --quick): do_bench median, best of rounds in turns, a CUDA graph
+of 5 calls; ceiling 18·T·k·H·F FLOPs at this run's torch.mm rate. The router alone against the
+torch composition and a kernel-less floor. --autocast: fp32 parameters under bf16 autocast
+against the bf16 layer, the torch MoE with the same casts, the casts' byte floor. --ep N:
+tokens/s per GPU (slowest rank, fixed call counts) against torch with all_to_all_single, the
+exchange alone (GB/s against the GPU1→GPU0 copy rate), --ep-baseline scaling (run_moe_ep.sh).
 """
 
 from __future__ import annotations
@@ -19,52 +17,42 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
-import sys
+from functools import partial
 
 import common as bc
 import torch
+import torch.distributed as dist
 from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
-
+from moekit.distributed import init_distributed
 from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
+from moekit.ops.expert_exchange import ExpertExchange
 from moekit.ops.router import RouterConfig, route
 
 DSV3 = dict(score="sigmoid", num_groups=8, topk_groups=4, expert_bias=True, scaling=2.5)
 # name: (tokens T, experts E, top-k, H, F, router options, speed-up target over torch)
-SHAPES = {
-    "qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, 2.0),
-    "olmoe": (8192, 64, 8, 2048, 1024, {}, 2.0),
-    "deepseek_v3_ep8": (8192, 32, 8, 7168, 2048, DSV3, 1.4),
-    "mixtral": (8192, 8, 2, 4096, 14336, {}, 1.15),
-}
-EP_SHAPES = {
-    "qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, None),
-    "deepseek_v3": (8192, 256, 8, 7168, 2048, DSV3, None),
-}
-SMOKE_SHAPES = {
-    "smoke_softmax": (48, 8, 2, 32, 16, {}, None),
-    "smoke_groups": (40, 16, 4, 32, 16, dict(DSV3, num_groups=4, topk_groups=2), None),
-}
-QWEN3_TFLOPS_TARGET = 520.0
-ROUTER_TARGET = 3.0
+SHAPES = {"qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, 2.0),
+          "olmoe": (8192, 64, 8, 2048, 1024, {}, 2.0),
+          "deepseek_v3_ep8": (8192, 32, 8, 7168, 2048, DSV3, 1.4),
+          "mixtral": (8192, 8, 2, 4096, 14336, {}, 1.15)}  # fmt: skip
+EP_SHAPES = {"qwen3_30b_a3b": (16384, 128, 8, 2048, 768, {}, None),
+             "deepseek_v3": (8192, 256, 8, 7168, 2048, DSV3, None)}  # fmt: skip
+SMOKE_SHAPES = {"smoke_softmax": (48, 8, 2, 32, 16, {}, None), "smoke_groups": (
+    40, 16, 4, 32, 16, dict(DSV3, num_groups=4, topk_groups=2), None)}  # fmt: skip
 ROUTER_ROUNDS = 5
 AUX_LOSS_COEFF = 1e-2
 CAPACITY_FACTOR = 1.25
+EP_CALLS = 20  # timed calls per contender and round: a fixed count on every rank
 
 
 def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None,
                ep_config=None):  # fmt: skip
-    """The layer (all E experts, or this rank's share), its input and output gradient. The
-    router leans towards some experts along one direction of the input, so the routing is
-    skewed the same way for every contender."""
+    """The layer (all E experts, or this rank's share), its input and output gradient; the router
+    leans towards some experts along one input direction (the same skew for every contender)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    layer = MoELayer(
-        H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-        ep_group=ep_group, dispatch=DispatchConfig(capacity), ep_config=ep_config, device=device,
-        dtype=dtype,
-    )  # fmt: skip
+    layer = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
+                     ep_group=ep_group, dispatch=DispatchConfig(capacity), ep_config=ep_config,
+                     device=device, dtype=dtype)  # fmt: skip
     with torch.no_grad():
         u = torch.randn(H, generator=gen)
         u /= u.norm()
@@ -78,7 +66,7 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
             p.mul_(p.shape[-1] ** -0.5)
         if layer.router.expert_bias is not None:
             layer.router.expert_bias.copy_(0.01 * torch.randn(E, generator=gen))
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rank = dist.get_rank() if dist.is_initialized() else 0
         rank_gen = torch.Generator(device="cpu").manual_seed(seed + 1000 * (rank + 1))
         x = torch.randn(T, H, generator=rank_gen) + 2.0 * u
         dy = torch.randn(T, H, generator=rank_gen) * T**-0.5
@@ -87,8 +75,7 @@ def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacit
 
 
 def route_opts(layer: MoELayer) -> dict:
-    r = layer.router
-    return dict(r.config.routing_kwargs(), expert_bias=r.expert_bias)
+    return dict(layer.router.config.routing_kwargs(), expert_bias=layer.router.expert_bias)
 
 
 def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
@@ -96,16 +83,10 @@ def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
     params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
     ins = [x, *params]
     k, opts = layer.k, route_opts(layer)
-
-    def moekit():
-        return torch.autograd.grad(layer(x), ins, dy)
-
-    def baseline(fn, *extra):
-        def step():
-            y, aux = fn(x, *params, k, *extra, aux_loss_coeff=AUX_LOSS_COEFF, **opts)
-            return torch.autograd.grad([y, aux], ins, [dy, torch.ones_like(aux)])
-
-        return step
+    moekit = lambda: torch.autograd.grad(layer(x), ins, dy)
+    grad = lambda y, aux: torch.autograd.grad([y, aux], ins, [dy, torch.ones_like(aux)])
+    baseline = lambda fn, *extra: lambda: grad(*fn(x, *params, k, *extra,
+                                                    aux_loss_coeff=AUX_LOSS_COEFF, **opts))  # fmt: skip
 
     def moekit_recompute():  # the experts recompute their activation in backward
         layer.experts.recompute_activation = True
@@ -123,17 +104,14 @@ def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
 
 
 class RouterFloor(torch.autograd.Function):
-    """The router's signature with no kernels: what any custom autograd op taking the logits
-    and returning probs, indices and counts pays on the host (Function.apply, the engine's
-    backward call, allocations) — the floor under the router's eager time."""
+    """The router's signature without kernels: the host floor under the router's eager time."""
 
     @staticmethod
     def forward(ctx, logits, k):
         ctx.meta = logits
-        T = logits.shape[0]
-        idx = logits.new_empty(T, k, dtype=torch.int32)
+        idx = logits.new_empty(logits.shape[0], k, dtype=torch.int32)
         ctx.mark_non_differentiable(idx)
-        return logits.new_empty(T, k, dtype=torch.float32), idx
+        return logits.new_empty(idx.shape, dtype=torch.float32), idx
 
     @staticmethod
     def backward(ctx, grad, _):
@@ -146,30 +124,19 @@ def router_steps(T, E, k, opts, device, dtype) -> dict:
     bias = 0.01 * torch.randn(E, device=device) if opts.get("expert_bias") else None
     kw = {n: v for n, v in opts.items() if n != "expert_bias"}
     dp = torch.randn(T, k, device=device)
-
-    def moekit():
-        p, _i, _c = route(logits, k, RouterConfig(**kw), bias)
-        return torch.autograd.grad(p, logits, dp)
-
-    def torch_composition():
-        p = torch_topk_routing(logits, k, expert_bias=bias, **kw)[0]
-        return torch.autograd.grad(p, logits, dp)
-
-    def floor():
-        return torch.autograd.grad(RouterFloor.apply(logits, k)[0], logits, dp)
-
-    return {"moekit": moekit, "torch": torch_composition, "floor": floor}
+    grad = lambda fwd: lambda: torch.autograd.grad(fwd()[0], logits, dp)  # of the probs
+    return {"moekit": grad(lambda: route(logits, k, RouterConfig(**kw), bias)),
+            "torch": grad(lambda: torch_topk_routing(logits, k, expert_bias=bias, **kw)),
+            "floor": grad(lambda: RouterFloor.apply(logits, k))}  # fmt: skip
 
 
 def routing_stats(layer: MoELayer, x: torch.Tensor) -> dict:
     with torch.no_grad():
         counts = layer.router(x.detach()).counts.float()
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)
-    return {
-        "max_over_mean_load": float(counts.max() / counts.mean()),
-        "idle_experts": int((counts == 0).sum()),
-    }
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+    return {"max_over_mean_load": float(counts.max() / counts.mean()),
+            "idle_experts": int((counts == 0).sum())}  # fmt: skip
 
 
 def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
@@ -177,30 +144,24 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts),
            "target": target}  # fmt: skip
     ms = bc.eager_timer(cuda, warmup=10, rep=60 if args.quick else 150)
-    rounds = 1 if args.quick else 3
     layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
     res.update(routing_stats(layer, x))
     fns = steps(layer, x, dy, with_loop=not args.quick)
-    for fn in fns.values():
-        fn()  # compile, tune, warm the allocator
-    bc.measure(fns, {"ms": ms}, rounds, res)
+    bc.measure(fns, {"ms": ms}, 1 if args.quick else 3, res, warm=True)
     for c in fns:
         res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], cuda) if c != "loop" else math.nan
     if cuda:
-        bc.measure({c: fns[c] for c in ("moekit", "torch")}, {"graph_ms": _graph5}, 1, res)
+        graph5 = lambda f: bc.graph_us(f, calls=5) / 1e3
+        bc.measure({c: fns[c] for c in ("moekit", "torch")}, {"graph_ms": graph5}, 1, res)
     flops = 18 * T * k * H * Fd
     res["moekit_tflops"] = flops / res["moekit_ms"] / 1e9
     res["floor_ms"] = flops / peak_tflops / 1e9 if cuda else math.nan
-    bc.ratios(
-        res, "ms", {"speedup_vs_torch": ("torch", "moekit"), "speedup_vs_loop": ("loop", "moekit")}
-    )
+    bc.ratios(res, "ms", {"speedup_vs_torch": ("torch", "moekit"),
+                          "speedup_vs_loop": ("loop", "moekit")})  # fmt: skip
     del layer, x, dy, fns
-    rf = router_steps(T, E, k, opts, device, args.dtype)
-    for fn in rf.values():
-        fn()
-    # Host-bound calls: their time moves with the host from round to round, so the speed-up is
-    # the median of the ratios taken within a round (both timed back to back), over 5 rounds.
-    rr = bc.measure(rf, {"us": lambda f: ms(f) * 1e3}, 1 if args.quick else ROUTER_ROUNDS)
+    rf, us = router_steps(T, E, k, opts, device, args.dtype), lambda f: ms(f) * 1e3
+    # host-bound calls drift between rounds: the speed-up is the median of within-round ratios
+    rr = bc.measure(rf, {"us": us}, 1 if args.quick else ROUTER_ROUNDS, warm=True)
     if cuda:
         bc.measure({c: rf[c] for c in ("moekit", "torch")}, {"graph_us": bc.graph_us}, 1, rr)
     bc.ratios(rr, "us", {"speedup": ("torch", "moekit")})
@@ -211,14 +172,9 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     return res
 
 
-def _graph5(fn) -> float:
-    return bc.graph_us(fn, calls=5) / 1e3
-
-
 def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
-    """fp32 parameters under bf16 autocast: moekit's layer (casts per call inside its ops),
-    the torch-native MoE with the same casts written out, and the bf16 layer as the
-    reference; the casts' byte floor at the measured copy rate (see the module docstring)."""
+    """fp32 parameters under bf16 autocast: moekit's layer, the torch-native MoE with the same
+    casts written out, the bf16 layer; the casts' byte floor at the measured copy rate."""
     T, E, k, H, Fd, opts, _ = spec
     low = torch.bfloat16
     layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, torch.float32, seed=0)
@@ -226,81 +182,60 @@ def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
     xb, dyb = x.detach().to(low).requires_grad_(), dy.to(low)
     params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
     ins, kopts = [x, *params], route_opts(layer)
-
-    def moekit_autocast():
-        with torch.autocast(device.split(":")[0], dtype=low):
-            y = layer(x)
-        return torch.autograd.grad(y, ins, dy)
+    fwd = torch.autocast(device.split(":")[0], dtype=low)(lambda: layer(x))  # the forward only
+    moekit_autocast = lambda: torch.autograd.grad(fwd(), ins, dy)
 
     def torch_autocast():
         cast = [p.to(low) for p in params]
         y, aux = torch_moe(x.to(low), *cast, k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts)
         return torch.autograd.grad([y.float(), aux], ins, [dy, torch.ones_like(aux)])
 
-    def moekit_bf16():
-        return torch.autograd.grad(bf16(xb), [xb, *bf16.parameters()], dyb)
-
+    moekit_bf16 = lambda: torch.autograd.grad(bf16(xb), [xb, *bf16.parameters()], dyb)
     fns = {"moekit_autocast": moekit_autocast, "torch_autocast": torch_autocast,
            "moekit_bf16": moekit_bf16}  # fmt: skip
-    for fn in fns.values():
-        fn()
-    res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3)
+    res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3, warm=True)
     res["autocast_speedup_vs_torch"] = res["torch_autocast_ms"] / res["moekit_autocast_ms"]
     res["autocast_overhead_ms"] = res["moekit_autocast_ms"] - res["moekit_bf16_ms"]
     res["autocast_cast_bytes"] = sum(p.numel() for p in params) * (4 + 2 + 2)
     rate = bc.copy_gb_per_s(device) if cuda else math.nan
     res["autocast_cast_floor_ms"] = res["autocast_cast_bytes"] / (rate * 1e6)
-    return {k_: v for k_, v in res.items() if not k_.endswith("_rounds")}
-
-
-EP_CALLS = 20  # timed calls per contender and round: a fixed count on every rank
+    return bc.without_rounds(res)
 
 
 def run_ep_shape(name, spec, args, device) -> dict:
-    """One shape at EP W: tokens/s per GPU of every contender (the slowest rank's time), the
-    exchange alone (GB/s per GPU of the bytes that cross NVLink) and its share of the step."""
-    import torch.distributed as dist
-
+    """One shape at EP W: tokens/s per GPU (slowest rank), the exchange alone and its share."""
     T, E, k, H, Fd, opts, _ = spec
     W = dist.get_world_size()
     group = dist.group.WORLD if W > 1 else None
     res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
-    time_fn = lambda f: _over_ranks(bc.fixed_count_ms(f, warmup=3, calls=EP_CALLS))
-    fns, layers = {}, {}
-    modes = [("moekit", None, "auto", None), ("moekit_capacity", CAPACITY_FACTOR, "auto", None)]
+    config = lambda backend, chunks=None: (
+        None if group is None else ExpertParallelConfig(backend, chunks=chunks))  # fmt: skip
+    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, None,
+                              config("auto"))  # fmt: skip
+    res.update(routing_stats(layer, x))
+    fns = {c: f for c, f in steps(layer, x, dy, False, group).items() if c in ("moekit", "torch")}
+    modes = [("moekit_capacity", CAPACITY_FACTOR, "auto", None)]
     if W > 1:  # and the overlapped chunk counts asked for
         modes.append(("moekit_all_to_all", None, "all_to_all", None))
         modes += [(f"moekit_chunks{c}", None, "auto", c) for c in args.ep_chunks if c > 1]
-    first = None
-    for mode, cf, backend, chunks in modes:
-        config = ExpertParallelConfig(backend, chunks=chunks) if group is not None else None
-        if first is None:
-            layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, cf,
-                                      config)  # fmt: skip
-            first = layer
-        else:  # the same parameters (one copy of the experts in memory)
-            layer = MoELayer(
-                H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-                ep_group=group, dispatch=DispatchConfig(cf), ep_config=config, device="meta",
-                dtype=args.dtype,
-            )  # fmt: skip
-            layer.router, layer.experts = first.router, first.experts
-        contenders = steps(layer, x, dy, False, group)
-        fns[mode], layers[mode] = contenders["moekit"], (layer, x)
-        if mode == "moekit":
-            res.update(routing_stats(layer, x))
-            fns["torch"] = contenders["torch"]
+    for mode, cf, backend, chunks in modes:  # the same parameters (one copy of the experts)
+        other = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
+                         ep_group=group, dispatch=DispatchConfig(cf), device="meta",
+                         ep_config=config(backend, chunks), dtype=args.dtype)  # fmt: skip
+        other.router, other.experts = layer.router, layer.experts
+        fns[mode] = steps(other, x, dy, False, group)["moekit"]
     for fn in fns.values():
-        fn()
+        fn()  # compile, tune, warm the allocator
     if group is not None:
-        res["backend"] = layers["moekit"][0].ep.last_exchanges[0].backend
+        res["backend"] = layer.ep.last_exchanges[0].backend
+    time_fn = lambda f: bc.over_ranks(bc.fixed_count_ms(f, warmup=3, calls=EP_CALLS))
     bc.measure(fns, {"ms": time_fn}, 2, res)
     for c in fns:
         res[f"{c}_tokens_per_s"] = T / res[f"{c}_ms"] * 1e3
         res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], True)
     res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
     if group is not None:
-        res.update(_exchange_figures(*layers["moekit"], group))
+        res.update(_exchange_figures(layer, x, group))
         res["exchange_kernel_share"] = _exchange_share(fns["moekit"])
         res["exchange_share"] = res["exchange_step_ms"] / res["moekit_ms"]
         # exposed exchange of a chunked step: its time over the experts' alone (the one-chunk
@@ -314,13 +249,8 @@ def run_ep_shape(name, spec, args, device) -> dict:
 
 
 def _exchange_figures(layer, x, group) -> dict:
-    """The layer's exchange alone, on its own routing: dispatch + combine forward (the backward
-    moves the same bytes the other way). GB/s per GPU counts the bytes each rank reads from
-    its peers (its own tokens excluded), over the slowest rank's time."""
-    import torch.distributed as dist
-
-    from moekit.ops.expert_exchange import ExpertExchange
-
+    """The layer's exchange alone on its routing, dispatch + combine forward; GB/s per GPU of the
+    bytes each rank moves to and from its peers, over the slowest rank's time."""
     with torch.no_grad():
         r = layer.router(x.detach())
 
@@ -330,17 +260,17 @@ def _exchange_figures(layer, x, group) -> dict:
         return ex.combine(rows), ex
 
     _, ex = exchange()
-    ms = _over_ranks(bc.fixed_count_ms(lambda: exchange(), warmup=3, calls=EP_CALLS))
+    ms = bc.over_ranks(bc.fixed_count_ms(lambda: exchange(), warmup=3, calls=EP_CALLS))
     rank, W, gpu_ms = dist.get_rank(), dist.get_world_size(), ms
     if ex.backend == "symmetric":  # the GPU's own time: alone, its small launches are host-bound
-        gpu_ms = _over_ranks(bc.graph_us(lambda: exchange()[0], 5, fixed_count=True) / 1e3)
+        gpu_ms = bc.over_ranks(bc.graph_us(lambda: exchange()[0], 5, fixed_count=True) / 1e3)
         table = ex.table.long()
     else:  # the counts, all-gathered
         table = torch.empty(W, W, dtype=torch.long, device=x.device)
         dist.all_gather_into_tensor(table, ex.routes.sends.long(), group=group)
     remote = table[:, rank].sum() + table[rank].sum() - 2 * table[rank, rank]  # rows in + out
-    mean_bytes = _over_ranks(float(remote) * x.shape[1] * x.element_size(), "AVG")
-    tokens = _over_ranks(float(x.shape[0]), "SUM")  # ranks_per_token: over every rank's tokens
+    mean_bytes = bc.over_ranks(float(remote) * x.shape[1] * x.element_size(), "AVG")
+    tokens = bc.over_ranks(float(x.shape[0]), "SUM")  # ranks_per_token: over every rank's tokens
     return {"exchange_fwd_eager_ms": ms, "exchange_fwd_ms": gpu_ms,
             "exchange_step_ms": 2 * gpu_ms,  # forward and backward move the same bytes
             "exchange_gb_per_s": mean_bytes / gpu_ms / 1e6,
@@ -350,37 +280,16 @@ def _exchange_figures(layer, x, group) -> dict:
 
 def _exchange_share(fn) -> float:
     """Share of the step's GPU kernel time in the exchange's kernels (NCCL or moekit's)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
     total = ex = 0.0
-    for e in prof.key_averages():
-        t = e.device_time_total
-        total += t
-        key = e.key.lower()
-        if any(n in key for n in ("nccl", "_pull_", "_exchange_barrier", "_copy_rows")):
-            ex += t
+    for e in bc.cuda_profile(fn, cpu=False).key_averages():
+        total += e.device_time_total
+        if any(n in e.key.lower() for n in ("nccl", "_pull_", "_exchange_barrier", "_copy_rows")):
+            ex += e.device_time_total
     return ex / total if total else math.nan
 
 
-def _over_ranks(v: float, op: str = "MAX") -> float:
-    """``v`` reduced over the ranks (MAX, SUM, or AVG as SUM / world size)."""
-    import torch.distributed as dist
-
-    t = torch.tensor([v], device="cuda", dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "AVG" else getattr(dist.ReduceOp, op))
-    return float(t) / (dist.get_world_size() if op == "AVG" else 1)
-
-
 def p2p_copy_gb_per_s(nbytes: int = 1 << 30) -> float:
-    """GPU1→GPU0 copy rate of this host (copy engines over NVLink), GB/s moved, timed on rank 0
-    (median of 10 copies between CUDA events): the ceiling of one peer-to-peer stream."""
-    import torch.distributed as dist
-
+    """GPU1→GPU0 copy GB/s (rank 0, median of 10): the ceiling of one peer-to-peer stream."""
     t = torch.tensor([math.nan], device="cuda", dtype=torch.float64)
     if dist.get_rank() == 0 and torch.cuda.device_count() > 1:
         src = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda:1").normal_()
@@ -392,42 +301,29 @@ def p2p_copy_gb_per_s(nbytes: int = 1 << 30) -> float:
 
 
 def main_ep(args) -> None:
-    import torch.distributed as dist
-
-    from moekit.distributed import init_distributed
-
     W = init_distributed("nccl").world_size  # one GPU per rank; --ep 1: no torchrun needed
     if args.ep != W:
         raise SystemExit(f"--ep {args.ep} needs {args.ep} processes, got {W}")
     p2p = p2p_copy_gb_per_s() if W > 1 else math.nan
     rows = []
-    for name, spec in EP_SHAPES.items():
-        if args.shapes and name not in args.shapes:
-            continue
+    for name, spec in bc.pick(EP_SHAPES, args.shapes):
         rows.append({**run_ep_shape(name, spec, args, "cuda"), "p2p_copy_gb_per_s": p2p})
         if dist.get_rank() == 0:
             bc.log(json.dumps(rows[-1]))
         torch.cuda.empty_cache()
     if dist.get_rank() == 0:
-        scaling(rows, args.ep_baseline)
+        base = {}  # tokens/s per GPU over the EP 1 run's (its JSON rows)
+        if args.ep_baseline:
+            with open(args.ep_baseline) as f:
+                base = {r["shape"]: r["moekit_tokens_per_s"] for r in json.load(f)["rows"]}
+        for r in rows:
+            for c in ("moekit", "moekit_capacity"):
+                r[f"{c}_scaling"] = r[f"{c}_tokens_per_s"] / base.get(r["shape"], math.nan)
         bc.log(f"EP{W}: tokens/s per GPU (forward + backward), {torch.cuda.get_device_name()}; "
                f"GPU1→GPU0 copy {p2p:.0f} GB/s")  # fmt: skip
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "ep": W,
-                "p2p_copy_gb_per_s": p2p}  # fmt: skip
+        meta = bc.meta(True, ep=W, p2p_copy_gb_per_s=p2p)
         bc.finish(args.out, f"moe_layer_ep{W}", {"meta": meta, "rows": rows}, EP_COLUMNS)
     dist.destroy_process_group()
-
-
-def scaling(rows: list[dict], baseline: str | None) -> None:
-    """tokens/s per GPU over the EP 1 run's (its JSON rows' ``moekit_tokens_per_s``)."""
-    base = {}
-    if baseline:
-        with open(baseline) as f:
-            base = {r["shape"]: r for r in json.load(f)["rows"]}
-    for r in rows:
-        b = base.get(r["shape"])
-        for c in ("moekit", "moekit_capacity"):
-            r[f"{c}_scaling"] = r[f"{c}_tokens_per_s"] / b["moekit_tokens_per_s"] if b else math.nan
 
 
 EP_COLUMNS = [
@@ -456,8 +352,7 @@ def main() -> None:
     ap.add_argument("--autocast", action="store_true", help="also fp32 params under autocast")
     ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
     ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
-    ap.add_argument("--ep-chunks", type=int, nargs="*", default=[],
-                    help="also time the layer in these many overlapped chunks")  # fmt: skip
+    ap.add_argument("--ep-chunks", type=int, nargs="*", default=[], help="also N overlapped chunks")
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     args.dtype = torch.bfloat16 if cuda else torch.float32
@@ -466,12 +361,11 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     peak_tflops = bc.DensePeak().tflops() if cuda else math.nan
     bc.log(f"dense torch.mm peak: {peak_tflops:.0f} TFLOP/s")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    cases = [(n, lambda n=n, s=s: run_shape(n, s, args, cuda, device, peak_tflops))
-             for n, s in shapes.items() if not args.shapes or n in args.shapes]  # fmt: skip
-    rows, _, failed = bc.run_cases(cases)
-    meta = {"device": bc.device_name(cuda), "torch": torch.__version__, "dtype": str(args.dtype),
-            "dense_tflops": peak_tflops, "aux_loss_coeff": AUX_LOSS_COEFF, "failed": failed}  # fmt: skip
+    shapes = bc.pick(SMOKE_SHAPES if args.smoke else SHAPES, args.shapes)
+    run = partial(run_shape, args=args, cuda=cuda, device=device, peak_tflops=peak_tflops)
+    rows, _, failed = bc.run_cases((n, partial(run, n, s)) for n, s in shapes)
+    meta = bc.meta(cuda, dtype=str(args.dtype), dense_tflops=peak_tflops,
+                   aux_loss_coeff=AUX_LOSS_COEFF, failed=failed)  # fmt: skip
     series = {"MoELayer": "speedup_vs_torch", "router alone": "router_speedup",
               "MoELayer, fp32 params under autocast": "autocast_speedup_vs_torch"}  # fmt: skip
     panel = bc.bars(rows, series, "speed-up over torch-native (fwd+bwd)", hlines={"parity": 1.0})

@@ -2,12 +2,11 @@
 
     python benchmarks/benchmark_permute.py --out bench_out [--quick] [--budget-s 500] [--smoke]
 
-Checks bf16 results against the reference, then times, per (T, H, E, k, align), forward and
-backward of ours (metadata included), torch (argsort + index_select / index_add_, plus a pad
-pass when aligned) and sep-pad (unaligned moekit + that pad pass), and the routing metadata
-alone (target ≤ 30 µs). Eager: do_bench median (bwd = fwd+bwd − fwd); GPU: summed profiler
-durations of one call after an L2 flush (``_l2_flush_kernel``), median of GPU_CALLS. Ceiling:
-a 1 GiB device copy. Writes permute_bench.json / .png.
+Checks bf16 results against the reference, then times per (T, H, E, k, align) forward and
+backward of ours (metadata included), torch (argsort + index_select / index_add_, + a pad pass
+when aligned), sep-pad (unaligned moekit + that pad pass), and the routing metadata (≤ 30 µs).
+Eager: do_bench median (bwd = fwd+bwd − fwd); GPU: summed profiler durations of a call after an
+L2 flush (``_l2_flush_kernel``), median of GPU_CALLS. Ceiling: a 1 GiB device copy.
 """
 
 from __future__ import annotations
@@ -17,14 +16,13 @@ import itertools
 import statistics
 import sys
 import time
-from pathlib import Path
+from functools import partial
+from operator import itemgetter
 
 import common as bc
 import torch
 import triton
 import triton.language as tl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from moekit.ops import permute, unpermute
 from moekit.ops.routing import routing_metadata, routing_metadata_torch
@@ -50,14 +48,12 @@ def bench_us(fn) -> float:
 
 
 def settle_fresh_memory(nbytes: int) -> None:
-    """Reserve ``nbytes`` through the caching allocator, free it back to the cache, and wait:
-    for a short while after a cudaMalloc of a few GB every kernel runs slower. A settled segment
-    that the configuration's allocations are carved from keeps the timings to the steady state."""
+    """Reserve ``nbytes`` in the caching allocator and wait: for a short while after a cudaMalloc
+    of a few GB every kernel runs slower; the config's allocations are carved from this segment."""
     if DEVICE != "cuda" or nbytes <= 0:
         return
-    block = torch.empty(min(nbytes, int(torch.cuda.mem_get_info()[0] * 0.9)), dtype=torch.uint8,
-                        device=DEVICE)  # fmt: skip
-    del block  # stays reserved in the allocator's cache, split for later allocations
+    free = int(torch.cuda.mem_get_info()[0] * 0.9)
+    torch.empty(min(nbytes, free), dtype=torch.uint8, device=DEVICE)  # freed: stays reserved
     torch.cuda.synchronize()
     time.sleep(SETTLE_S)
 
@@ -81,9 +77,8 @@ def flush_l2() -> None:
 
 
 def per_call_us(events: list[tuple[str, float, float]], marker: str = FLUSH_MARKER) -> list[float]:
-    """Split device activities ``(name, start µs, end µs)`` into calls: every call is preceded by
-    one ``marker`` event; a call's time is the summed duration of the other events up to the next
-    marker (the marker's own duration excluded; events before the first marker are ignored)."""
+    """Per call, the summed durations of device activities ``(name, start µs, end µs)`` between
+    two ``marker`` events (the markers and what precedes the first one excluded)."""
     calls: list[float] = []
     for name, start, end in sorted(events, key=lambda ev: ev[1]):
         if marker in name:
@@ -94,43 +89,25 @@ def per_call_us(events: list[tuple[str, float, float]], marker: str = FLUSH_MARK
 
 
 def gpu_us(fn, n: int = GPU_CALLS) -> float | None:
-    """Median over ``n`` calls of the summed CUDA kernel / memset / memcpy durations of one
-    call, from torch.profiler, each call after an L2 flush; None off CUDA."""
+    """Median over ``n`` calls, each after an L2 flush, of a call's summed CUDA durations."""
     if DEVICE != "cuda":
         return None
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(2):  # warm: compilation stays out of the profile
         fn()
     torch.cuda.synchronize()
     time.sleep(SETTLE_CALL_S)  # out of the slow window of what the warm calls allocated
     flush_l2()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            flush_l2()
-            fn()
-        torch.cuda.synchronize()
-    calls = per_call_us([(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                         if e.device_type == DeviceType.CUDA and not e.name.startswith("[")])  # fmt: skip
+    events = bc.cuda_profile(fn, n, before=flush_l2, warm=False).events()
+    calls = per_call_us([(e.name, e.time_range.start, e.time_range.end) for e in events
+                         if e.device_type == torch.autograd.DeviceType.CUDA
+                         and not e.name.startswith("[")])  # fmt: skip
     if len(calls) != n:
         raise RuntimeError(f"profiler saw {len(calls)} flush markers for {n} calls")
     return statistics.median(calls)
 
 
-def copy_bandwidth(nbytes: int) -> tuple[float, float | None]:
-    """GB/s (eager, GPU time) of a device-to-device copy of ``nbytes`` (read + write)."""
-    src = torch.randn(nbytes // 2, device=DEVICE, dtype=torch.bfloat16)
-    dst = torch.empty_like(src)
-    settle_fresh_memory(1)
-    us, g_us = bench_us(lambda: dst.copy_(src)), gpu_us(lambda: dst.copy_(src))
-    return 2 * nbytes / us / 1e3, (2 * nbytes / g_us / 1e3 if g_us else None)
-
-
 def pad_rows(x: torch.Tensor, tokens_per_expert: torch.Tensor, align: int, num_rows: int):
-    """The separate padding pass (sync-free): a zero-filled ``[num_rows, H]`` buffer with the
-    packed rows copied to their padded positions. Returns (padded, dst [R_packed])."""
+    """The separate, sync-free pad pass: (rows copied into zeros ``[num_rows, H]``, dst rows)."""
     tpe = tokens_per_expert.long()
     ends = torch.cumsum(tpe, 0)
     padded = (tpe + align - 1) // align * align
@@ -168,10 +145,10 @@ def check_shape(T, H, E, k, align) -> None:
     probs.requires_grad_(True)
     d = permute(hidden, idx, probs, num_experts=E, align=align)
     meta = routing_metadata_torch(idx, E, align or 1)
-    ph, pp = ref.scatter_rows_torch(hidden.detach(), meta[0], d.num_rows, probs.detach())
-    got = (d.row_index, d.tokens_per_expert, d.counts, d.offsets, d.hidden, d.probs)
-    for label, g, w in zip(("row_index", "tpe", "counts", "offsets", "rows", "probs"), got,
-                           (*meta, ph, pp)):  # fmt: skip
+    want = (*meta, *ref.scatter_rows_torch(hidden.detach(), meta[0], d.num_rows, probs.detach()))
+    got = {"row_index": d.row_index, "tpe": d.tokens_per_expert, "counts": d.counts,
+           "offsets": d.offsets, "rows": d.hidden, "probs": d.probs}  # fmt: skip
+    for (label, g), w in zip(got.items(), want):
         if not torch.equal(g, w):
             raise AssertionError(f"permute {label} differs")
     eo = torch.randn_like(d.hidden, requires_grad=True)
@@ -212,12 +189,10 @@ def contenders(T, E, k, align, R) -> dict:
         d2 = dataclasses.replace(st["d"], probs=st["probs"].index_select(0, st["dst"]))
         return unpermute(eo.index_select(0, st["dst"]), d2)
 
-    out = {
-        "ours": (ours_p, lambda st, eo: unpermute(eo, dataclasses.replace(st["d"],
-                 probs=st["probs"])), True),
-        "torch": (torch_p, lambda st, eo: torch_unpermute(eo, st["probs"], st["order"],
-                  st["dst"], T, k), True),
-    }  # fmt: skip
+    out = {"ours": (ours_p, lambda st, eo: unpermute(eo, dataclasses.replace(st["d"],
+                    probs=st["probs"])), True),
+           "torch": (torch_p, lambda st, eo: torch_unpermute(eo, st["probs"], st["order"],
+                     st["dst"], T, k), True)}  # fmt: skip
     if align:
         out["sep-pad"] = (sep_p, sep_u, False)
     return out
@@ -240,13 +215,9 @@ def measure_impl(res, gres, errors, label, make_p, make_u, s, gpu: bool) -> None
     """Permute then unpermute (on detached permute outputs: expert_out and the row probs are the
     leaves) of one contender, on the input set ``s`` = (indices, probs, hidden)."""
     try:
-        st = make_p(s)
-        g = (torch.randn_like(st["rows"]), torch.randn_like(st["probs"]))
-
-        def p_graph():
-            st2 = make_p(s)
-            return (st2["rows"], st2["probs"]), (s[2], s[1]), g
-
+        st, rows_probs = make_p(s), itemgetter("rows", "probs")
+        g = tuple(map(torch.randn_like, rows_probs(st)))
+        p_graph = lambda: (rows_probs(make_p(s)), (s[2], s[1]), g)
         time_op(res, gres, ("permute", label), lambda: make_p(s), p_graph, gpu)
         st = {**st, "probs": st["probs"].detach().requires_grad_(True)}
         eo = torch.randn_like(st.pop("rows")).requires_grad_(True)
@@ -258,13 +229,9 @@ def measure_impl(res, gres, errors, label, make_p, make_u, s, gpu: bool) -> None
         bc.log(f"    FAIL {label}: {errors[label]}")
 
 
-def _r(a, b):
-    return a / b if a and b else None
-
-
 def measure_config(cfg, copy, no_align, cell_errors) -> list[dict]:
-    """Table rows (one per op and pass) of one config: eager and GPU µs of every contender,
-    GB/s of the bytes that must move, % of the copy rate, ×torch, the padding's overhead."""
+    """Rows (op × pass) of one config: µs, GB/s, % of the copy rate, ×torch, pad overhead."""
+    _r = lambda a, b: a / b if a and b else None
     T, H, E, k, align = cfg
     tk, b = T * k, 2
     R = tk + (min(E, tk) * (align - 1) if align else 0)
@@ -331,14 +298,12 @@ def panels(rows: list[dict], copy: tuple) -> list[bc.Panel]:
 
 
 def grid(smoke: bool, quick: bool) -> list[tuple]:
-    if smoke:
-        return [(16, 32, 4, 2, a) for a in (None, 16)]
-    if quick:
-        return [(16384, 4096, E, k, a) for (E, k), a in
-                itertools.product([(8, 2), (256, 8)], [None, 128])]  # fmt: skip
-    return [(T, H, E, k, a) for T, H, (E, k), a in itertools.product(
-        [4096, 16384, 65536], [2048, 4096, 7168], [(8, 2), (64, 8), (128, 8), (256, 8)],
-        [None, 16, 128])]  # fmt: skip
+    """(T, H, E, k, align) of every config."""
+    axes = (([16], [32], [(4, 2)], [None, 16]) if smoke else
+            ([16384], [4096], [(8, 2), (256, 8)], [None, 128]) if quick else
+            ([4096, 16384, 65536], [2048, 4096, 7168], [(8, 2), (64, 8), (128, 8), (256, 8)],
+             [None, 16, 128]))  # fmt: skip
+    return [(T, H, E, k, a) for T, H, (E, k), a in itertools.product(*axes)]
 
 
 def main(argv=None) -> int:
@@ -354,7 +319,13 @@ def main(argv=None) -> int:
     checks = ([(24, 48, 8, 2, 16), (16, 32, 4, 3, None)] if args.smoke else
               [(4096, 2048, 64, 8, 16), (16384, 7168, 256, 8, 128), (65536, 2048, 8, 2, None)])  # fmt: skip
     _, _, failures = bc.run_cases([(str(c), lambda c=c: check_shape(*c) or []) for c in checks])
-    copy = tuple(round(v) if v else v for v in copy_bandwidth(2**22 if args.smoke else 2**30))
+    nbytes = 2**22 if args.smoke else 2**30  # the ceiling: a device copy, GB/s read + written
+    src = torch.randn(nbytes // 2, device=DEVICE, dtype=torch.bfloat16)
+    cp = partial(torch.Tensor.copy_, torch.empty_like(src), src)  # dst.copy_(src)
+    settle_fresh_memory(1)
+    copy = tuple(round(2 * nbytes / us / 1e3) if us else None
+                 for us in (bench_us(cp), gpu_us(cp)))  # fmt: skip
+    del src, cp  # free the buffers
     mT, mE, mk = (64, 8, 2) if args.smoke else (65536, 256, 8)
     idx, _ = bc.topk_routing(mT, mE, mk, DEVICE)
     meta_us = {a: bench_us(lambda a=a: routing_metadata(idx, mE, a)) for a in (1, 128)}
@@ -362,9 +333,8 @@ def main(argv=None) -> int:
     bc.log(f"copy {copy} GB/s (eager, GPU); metadata T={mT} E={mE} k={mk} µs (align 1, 128): "
            f"eager {meta_us}, GPU {meta_gpu} (target ≤ 30)")  # fmt: skip
     no_align, cell_errors = {}, {}
-    cases = [("T={} H={} E={} k={} align={}".format(*c),
-              lambda c=c: measure_config(c, copy, no_align, cell_errors))
-             for c in grid(args.smoke, args.quick)]  # fmt: skip
+    cases = [("T={} H={} E={} k={} align={}".format(*c), partial(measure_config, c, copy, no_align,
+              cell_errors)) for c in grid(args.smoke, args.quick)]  # fmt: skip
     budget = args.budget_s or (100.0 if args.quick or args.smoke else 300.0)
     rows, skipped, failed = bc.run_cases(cases, budget)
     summary = summarize(rows, copy, meta_us, meta_gpu)
@@ -374,8 +344,7 @@ def main(argv=None) -> int:
     cols = ["T", "H", "E", "k", "align", "op", "pass", "ours_us", "gpu_us", "gbs", "pct_copy",
             "pct_copy_gpu", "torch_us", "speedup", "speedup_gpu", "sep_pad_us",
             "pad_overhead_pct", "pad_overhead_pct_gpu"]  # fmt: skip
-    data = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
-            "summary": summary, "rows": rows}  # fmt: skip
+    data = {"device": bc.device_name(DEVICE == "cuda"), "summary": summary, "rows": rows}
     bc.finish(args.out, "permute_bench", data, cols, panels(rows, copy),
               "moekit permute / unpermute (bf16)", ".1f")  # fmt: skip
     return 1 if failures or cell_errors or failed else 0

@@ -2,35 +2,26 @@
 
     python benchmarks/benchmark_sort_chunks.py --out bench_out [--smoke]
 
-After an EP all-to-all a rank holds ``[source rank][local expert]`` chunks; the op regroups them
-``[local expert][source rank]`` (rows and probs), chunk sizes on the device. Shapes: one EP8
-rank's rows of Qwen3-30B-A3B, DeepSeek-V3, Mixtral (skewed sizes) and a decode case.
-Contenders (forward + ``autograd.grad``): moekit; torch index (searchsorted + index_select, no
-sync); torch split (Megatron-Core: host split sizes, reorder, cat). Timing: do_bench median and
-a CUDA graph of 20 calls (not torch split: its read-back cannot be captured). Floor: the bytes
-that must move at the device copy rate of this run. Writes sort_chunks.json / .png.
+Regroups an EP rank's ``[source rank][local expert]`` chunks (skewed sizes, on the device) by
+``[local expert][source rank]``: one EP8 rank of Qwen3-30B-A3B, DeepSeek-V3, Mixtral, a decode.
+Against torch index (searchsorted + index_select, no sync) and torch split (Megatron-Core: host
+split sizes, reorder, cat): do_bench median and a CUDA graph of 20 calls (not torch split).
+Floor: the bytes that must move at this run's device copy rate.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
+from functools import partial
 
 import common as bc
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # run from a checkout
-
 from moekit.ops import sort_chunks_by_index
 
 # name: (rows N, hidden H, ranks, local experts)
-SHAPES = {
-    "qwen3_30b_a3b_ep8": (131072, 2048, 8, 16),
-    "deepseek_v3_ep8": (65536, 7168, 8, 32),
-    "mixtral_ep8": (16384, 4096, 8, 1),
-    "decode_qwen3_ep8": (512, 2048, 8, 16),
-}
+SHAPES = {"qwen3_30b_a3b_ep8": (131072, 2048, 8, 16), "deepseek_v3_ep8": (65536, 7168, 8, 32),
+          "mixtral_ep8": (16384, 4096, 8, 1), "decode_qwen3_ep8": (512, 2048, 8, 16)}  # fmt: skip
 SMOKE_SHAPES = {"smoke": (96, 32, 2, 3)}
 
 
@@ -49,8 +40,7 @@ def chunk_case(N: int, H: int, ranks: int, local: int, device, dtype, seed: int 
 
 def torch_index_sort(x, probs, sizes, order):
     """Device-only torch: source row of every output row, then a gather."""
-    ends = sizes.cumsum(0)
-    in_starts = ends - sizes
+    in_starts = sizes.cumsum(0) - sizes
     out_sizes = sizes[order]
     out_ends = out_sizes.cumsum(0)
     rows = torch.arange(x.shape[0], device=x.device)
@@ -69,47 +59,25 @@ def torch_split_sort(x, probs, sizes, order):
     return torch.cat([xs[i] for i in idx]), torch.cat([ps[i] for i in idx])
 
 
-def contenders(x, probs, sizes, order) -> dict:
-    dy, dp = torch.randn_like(x), torch.randn_like(probs)
-
-    def step(fn):
-        def run():
-            y, p = fn(x, probs, sizes, order)
-            return torch.autograd.grad([y, p], [x, probs], [dy, dp])
-
-        return run
-
-    return {
-        "moekit": step(lambda *a: sort_chunks_by_index(a[0], a[2], a[3], a[1])),
-        "torch_index": step(torch_index_sort),
-        "torch_split": step(torch_split_sort),
-    }
-
-
-def check(fns: dict) -> None:
-    """Every contender gives moekit's rows, probs and gradients."""
-    want = fns["moekit"]()
-    for name in ("torch_index", "torch_split"):
-        if not all(torch.equal(a, b) for a, b in zip(fns[name](), want)):
-            raise AssertionError(f"{name} differs from moekit")
-
-
 def run_shape(name: str, spec: tuple, cuda: bool, device, dtype, copy_gbs: float) -> dict:
     N, H, ranks, local = spec
     x, probs, sizes, order = chunk_case(N, H, ranks, local, device, dtype)
-    fns = contenders(x, probs, sizes, order)
-    check(fns)
+    dy, dp = torch.randn_like(x), torch.randn_like(probs)
+    step = lambda fn: lambda: torch.autograd.grad(fn(x, probs, sizes, order), [x, probs], [dy, dp])
+    fns = {"moekit": step(lambda x, p, s, o: sort_chunks_by_index(x, s, o, p)),
+           "torch_index": step(torch_index_sort), "torch_split": step(torch_split_sort)}  # fmt: skip
+    want = fns["moekit"]()  # every contender gives moekit's rows, probs and gradients
+    for c in ("torch_index", "torch_split"):
+        if not all(torch.equal(a, b) for a, b in zip(fns[c](), want)):
+            raise AssertionError(f"{c} differs from moekit")
     res = {"shape": name, "N": N, "H": H, "chunks": ranks * local}
     bc.measure(fns, {"us": lambda f: bc.eager_timer(cuda, warmup=10, rep=50)(f) * 1e3}, 1, res)
     if cuda:  # torch split's read-back cannot be captured
-        bc.measure(
-            {c: fns[c] for c in ("moekit", "torch_index")}, {"graph_us": bc.graph_us}, 1, res
-        )
+        bc.measure({c: fns[c] for c in list(fns)[:2]}, {"graph_us": bc.graph_us}, 1, res)
     nbytes = 2 * (2 * N * H * x.element_size() + 2 * N * 4)  # forward and backward
     res["floor_us"] = nbytes / copy_gbs / 1e3 if cuda else math.nan
-    res["speedup_vs_index"] = res["torch_index_us"] / res["moekit_us"]
-    res["speedup_vs_split"] = res["torch_split_us"] / res["moekit_us"]
-    return res
+    return bc.ratios(res, "us", {"speedup_vs_index": ("torch_index", "moekit"),
+                                 "speedup_vs_split": ("torch_split", "moekit")})  # fmt: skip
 
 
 COLUMNS = [
@@ -127,18 +95,14 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     copy_gbs = bc.copy_gb_per_s(device) if cuda else math.nan
     bc.log(f"device copy: {copy_gbs:.0f} GB/s")
-    shapes = SMOKE_SHAPES if args.smoke else SHAPES
-    cases = [(n, lambda n=n, s=s: run_shape(n, s, cuda, device, dtype, copy_gbs))
-             for n, s in shapes.items()]  # fmt: skip
-    rows, _, failed = bc.run_cases(cases)
-    meta = {"device": bc.device_name(cuda), "torch": torch.__version__, "dtype": str(dtype),
-            "copy_gb_per_s": copy_gbs, "failed": failed}  # fmt: skip
+    shapes = (SMOKE_SHAPES if args.smoke else SHAPES).items()
+    rows, _, failed = bc.run_cases((n, partial(run_shape, n, s, cuda, device, dtype, copy_gbs))
+                                   for n, s in shapes)  # fmt: skip
+    meta = bc.meta(cuda, dtype=str(dtype), copy_gb_per_s=copy_gbs, failed=failed)
     series = {"moekit": "moekit_us", "torch index": "torch_index_us",
               "torch split": "torch_split_us", "copy floor": "floor_us"}  # fmt: skip
     panel = bc.bars(rows, series, "µs per forward + backward", logy=True)
-    bc.finish(
-        args.out, "sort_chunks", {"meta": meta, "rows": rows}, COLUMNS, [panel], floatfmt=".1f"
-    )
+    bc.finish(args.out, "sort_chunks", {"meta": meta, "rows": rows}, COLUMNS, [panel], "", ".1f")
 
 
 if __name__ == "__main__":

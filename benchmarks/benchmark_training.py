@@ -9,45 +9,27 @@ larger than torch's bf16-vs-fp32 gap.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import statistics
 import sys
 
 import common as bc
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_moe.py")
-VARIANTS = {  # name: (baseline, dtype)
-    "moekit_bf16": ("moekit", "bfloat16"),
-    "torch_bf16": ("torch", "bfloat16"),
-    "torch_fp32": ("torch", "float32"),
-}
+VARIANTS = {"moekit_bf16": ("moekit", "bfloat16"), "torch_bf16": ("torch", "bfloat16"),
+            "torch_fp32": ("torch", "float32")}  # name: (baseline, dtype)  # fmt: skip
 WINDOW = 25
 TOKENS_PER_S_TARGET = 1.5
-
-
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_moe", EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["train_moe"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def moving_average(xs: list[float], w: int = WINDOW) -> list[float]:
     return [statistics.fmean(xs[i - w : i]) for i in range(w, len(xs) + 1)]
 
 
-def max_gap(a: list[float], b: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(moving_average(a), moving_average(b)))
-
-
 def run_variant(example, name: str, args) -> dict:
     baseline, dtype = VARIANTS[name]
+    batch = [] if args.batch is None else ["--batch", str(args.batch)]
     flags = ["--config", args.config, "--baseline", baseline, "--dtype", dtype, "--seed", "0",
-             "--no-progress"]  # fmt: skip
-    if args.batch is not None:
-        flags += ["--batch", str(args.batch)]
+             "--no-progress", *batch]  # fmt: skip
     scratch = os.path.join(args.out, "runs", name)
     example.main([*flags, "--steps", str(args.warmup_steps), "--out", scratch + "-warmup"])
     return example.main([*flags, "--steps", str(args.steps), "--out", scratch])
@@ -55,7 +37,8 @@ def run_variant(example, name: str, args) -> dict:
 
 def compare(runs: dict, res: dict) -> list[str]:
     """The tokens/s ratio and the loss gaps against the bf16 noise bound, into ``res``."""
-    lines, gap = [], lambda a, b: max_gap(runs[a]["losses"], runs[b]["losses"])
+    avg = lambda name: moving_average(runs[name]["losses"])
+    lines, gap = [], lambda a, b: max(abs(x - y) for x, y in zip(avg(a), avg(b)))
     if {"moekit_bf16", "torch_bf16"} <= runs.keys():
         m, t = runs["moekit_bf16"], runs["torch_bf16"]
         res["tokens_per_s_ratio"] = m["tokens_per_s"] / t["tokens_per_s"]
@@ -81,8 +64,10 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--batch", type=int, default=None, help="sequences per step (default: config)")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    example, runs = load_example(), {}
+    sys.path.insert(0, os.path.join(bc.REPO, "examples"))
+    import train_moe as example
+
+    runs = {}
     for name in args.variants:
         runs[name] = run_variant(example, name, args)
         bc.log(f"{name}: {runs[name]['tokens_per_s']:,.0f} tokens/s")
@@ -100,12 +85,8 @@ def main() -> None:
                      kind="line", xlabel="step",
                      title=f"train_moe.py --config {args.config}, same seed ({res['device']})")  # fmt: skip
     bc.log(f"{args.config}, batch {res['batch']}, {args.steps} steps, {res['device']}")
-    cols = [
-        "variant",
-        ("tokens/s", "tokens_per_s"),
-        ("final loss", "last"),
-        ("val loss", "val_loss"),
-    ]
+    cols = ["variant", ("tokens/s", "tokens_per_s"), ("final loss", "last"),
+            ("val loss", "val_loss")]  # fmt: skip
     bc.finish(args.out, "training", res, cols, [panel], floatfmt=".4f")
     bc.log("\n".join(lines))
 

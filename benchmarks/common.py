@@ -1,9 +1,8 @@
-"""The benchmark harness: routings, timers, the table, the JSON and the PNG.
+"""The benchmark harness: routings, timers, the case loop, the table, the JSON and the PNG.
 
-Each ``benchmark_<area>.py`` states its cases and contenders (name -> zero-argument callable:
-ours, the baselines, the ceiling), then calls :func:`parser`, :func:`run_cases`,
-:func:`measure` (contenders × timers × rounds), :func:`ratios` and :func:`finish` (table,
-``<stem>.json``, ``<stem>.png`` of :class:`Panel` s). Scripts import it as ``common``.
+Each ``benchmark_<area>.py`` (importing this as ``common``, which puts the checkout on sys.path)
+states its cases and contenders (name -> zero-argument callable: ours, baselines, the ceiling)
+and calls :func:`parser`, :func:`run_cases`, :func:`measure`, :func:`ratios`, :func:`finish`.
 """
 
 from __future__ import annotations
@@ -13,17 +12,21 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 import torch.utils.benchmark
 import triton.testing
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 Row = dict[str, Any]
-Contenders = dict[str, Callable[[], Any]]
 
 
 # --- Routings ---
@@ -51,8 +54,7 @@ def skewed_routing(T: int, E: int, draw: int) -> torch.Tensor:
 
 def topk_routing(T: int, E: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k experts of random scores per token: ``indices [T, k]``, renormalised ``probs``."""
-    scores = torch.randn(T, E, device=device)
-    probs, idx = scores.softmax(-1).topk(k, dim=-1)
+    probs, idx = torch.randn(T, E, device=device).softmax(-1).topk(k, dim=-1)
     return idx, probs / probs.sum(-1, keepdim=True)
 
 
@@ -63,12 +65,10 @@ def bench_ms(fn: Callable, warmup: float = 25, rep: float = 100) -> float:
 
 
 def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
-    """The CPU stand-in for :func:`bench_ms` in --smoke runs: ``torch.utils.benchmark.Timer``
-    over ``calls`` calls after ``warm`` untimed ones. It checks the plumbing, nothing more."""
+    """The CPU stand-in for :func:`bench_ms` (--smoke: checks the plumbing, nothing more)."""
     for _ in range(warm):
         fn()
-    timer = torch.utils.benchmark.Timer(stmt="fn()", globals={"fn": fn})
-    return timer.timeit(calls).median * 1e3
+    return torch.utils.benchmark.Timer("fn()", globals={"fn": fn}).timeit(calls).median * 1e3
 
 
 def eager_timer(cuda: bool, warmup: float = 25, rep: float = 100) -> Callable[[Callable], float]:
@@ -81,15 +81,21 @@ def fixed_count_ms(fn: Callable, warmup: int = 10, calls: int = 50) -> float:
     calls that hold a collective (every rank must make as many). No L2 flush."""
     for _ in range(warmup):
         fn()
-    events = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(calls)]  # fmt: skip
+    for start, end in events:
         start.record()
         fn()
         end.record()
-        events.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def over_ranks(v: float, op: str = "MAX") -> float:
+    """``v`` reduced over the ranks (MAX, SUM, or AVG as SUM / world size)."""
+    t = torch.tensor([v], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "AVG" else getattr(dist.ReduceOp, op))
+    return float(t) / (dist.get_world_size() if op == "AVG" else 1)
 
 
 def copy_gb_per_s(device) -> float:
@@ -101,8 +107,7 @@ def copy_gb_per_s(device) -> float:
 
 
 def capture(fn: Callable, calls: int = 1) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of ``calls`` calls of ``fn`` (warmed on a side stream, as the PyTorch docs
-    say), replayed once."""
+    """A CUDA graph of ``calls`` calls of ``fn`` (warmed on a side stream), replayed once."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -121,12 +126,35 @@ def capture(fn: Callable, calls: int = 1) -> torch.cuda.CUDAGraph:
 
 def graph_us(fn: Callable, calls: int = 20, fixed_count: bool = False, replays: int = 10) -> float:
     """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (replays timed by
-    ``bench_ms``, or ``replays`` of them by :func:`fixed_count_ms` for calls that hold a
-    collective)."""
+    ``bench_ms``, or ``replays`` of them by :func:`fixed_count_ms` for collectives)."""
     graph = capture(fn, calls)
     if fixed_count:
         return fixed_count_ms(graph.replay, warmup=3, calls=replays) * 1e3 / calls
     return bench_ms(graph.replay, warmup=10, rep=50) * 1e3 / calls
+
+
+def cuda_profile(fn: Callable, calls=1, before: Callable | None = None, cpu=True, warm=True):
+    """torch.profiler over ``calls`` calls of ``fn`` (each after ``before``) after a ``warm``
+    call (compilation stays out); ``cpu``: the host's activities too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if warm:
+        fn()
+    torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
+    with profile(activities=acts) as prof:
+        for _ in range(calls):
+            if before is not None:
+                before()
+            fn()
+        torch.cuda.synchronize()
+    return prof
+
+
+def count_launches(fn: Callable) -> int:
+    """CUDA kernel launches (memset / memcpy included) of one call."""
+    events = cuda_profile(fn).events()
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
 
 
 def sleep_cycles_per_ms() -> float:
@@ -160,19 +188,11 @@ def _sleep_then(k: int, upper_ms: float, cycles_per_ms: float, scale: float = 1.
     return slept
 
 
-def host_us_per_call(
-    fn: Callable,
-    n: int,
-    cycles_per_ms: float | None,
-    per_batch: int = 25,
-    passes: int = 2,
-    fixed_count: bool = False,
-) -> tuple[float, bool]:
-    """Host µs per call: ``n`` calls in batches of ``per_batch``, each batch enqueued behind a
-    GPU sleep (so the host never waits) and timed without synchronisation, ``passes`` times; the
-    median over batches (an OS preemption shows as an outlier, not a shift). Batches stay under
-    the GPU's launch-queue depth. ``covered`` is False when the GPU went idle inside a batch.
-    ``fixed_count``: no retry and no early stop (same call count on every rank)."""
+def host_us_per_call(fn: Callable, n: int, cycles_per_ms: float | None, per_batch: int = 25,
+                     passes: int = 2, fixed_count: bool = False) -> tuple[float, bool]:  # fmt: skip
+    """Host µs per call: the median over batches of ``per_batch`` calls (under the GPU's launch
+    queue depth), each enqueued behind a GPU sleep so the host never waits; ``covered``: False
+    if the GPU went idle in a batch. ``fixed_count``: no retry, no early stop (collectives)."""
     for _ in range(5):  # warm: the caching allocator holds every block the loop needs
         fn()
     if cycles_per_ms is None:  # CPU: everything runs on the host anyway
@@ -213,47 +233,33 @@ class PairedGap(NamedTuple):
     b_us: float  # median of fn_b's own times
 
 
-def _timed_pairs(fn_a, fn_b, k: int, first_index: int, clocks) -> list[tuple]:
-    """``k`` adjacent pairs, the order within a pair alternating: (a_first, t0, t1, t2)."""
-    batch = []
-    for i in range(k):
-        a_first = (first_index + i) % 2 == 0
-        first, second = (fn_a, fn_b) if a_first else (fn_b, fn_a)
-        t0 = [c() for c in clocks]
-        first()
-        t1 = [c() for c in clocks]
-        second()
-        batch.append((a_first, t0, t1, [c() for c in clocks]))
-    return batch
-
-
-def paired_host_gaps_us(
-    fn_a: Callable,
-    fn_b: Callable,
-    pairs: int,
-    cycles_per_ms: float,
-    per_batch: int = 8,
-    fixed_count: bool = False,
-    clocks: Sequence[Callable[[], float]] = (time.perf_counter, time.process_time),
-) -> tuple[PairedGap, ...]:
-    """Host µs of one call of ``fn_a`` minus one of ``fn_b``, one :class:`PairedGap` per clock:
-    the median over ``pairs`` adjacent pairs, each call timed alone behind a GPU sleep. A slow
-    stretch of the host hits both calls of a pair alike. ``time.process_time`` counts the CPU
-    time of every thread of the process and none of the time spent off the CPU."""
+def paired_host_gaps_us(fn_a: Callable, fn_b: Callable, pairs: int, cycles_per_ms: float,
+                        per_batch: int = 8, fixed_count: bool = False,
+                        clocks=(time.perf_counter, time.process_time)) -> tuple:  # fmt: skip
+    """Host µs of a call of ``fn_a`` minus one of ``fn_b``, one :class:`PairedGap` per clock: the
+    median over ``pairs`` adjacent pairs behind a GPU sleep (a slow stretch of the host hits both
+    alike). ``time.process_time``: the CPU time of every thread, none of the time off the CPU."""
     for _ in range(5):
         fn_a()
         fn_b()
     upper_ms = _synchronized_ms(fn_a, fn_b)
     n = len(clocks)
-    gaps: list[list[float]] = [[] for _ in range(n)]
-    b_times: list[list[float]] = [[] for _ in range(n)]
+    gaps, b_times = [[] for _ in range(n)], [[] for _ in range(n)]
     done, misses, covered_all = 0, 0, True
     while done < pairs:
         k = min(per_batch, pairs - done)
         slept = _sleep_then(k + 1, upper_ms, cycles_per_ms)
         fn_a()  # untimed: the first calls after a synchronisation run slower (a cold host)
         fn_b()
-        batch = _timed_pairs(fn_a, fn_b, k, done, clocks)
+        batch = []
+        for i in range(k):  # adjacent pairs, the order within a pair alternating
+            a_first = (done + i) % 2 == 0
+            first, second = (fn_a, fn_b) if a_first else (fn_b, fn_a)
+            t0 = [c() for c in clocks]
+            first()
+            t1 = [c() for c in clocks]
+            second()
+            batch.append((a_first, t0, t1, [c() for c in clocks]))
         covered = not slept.query()
         torch.cuda.synchronize()
         if not (covered or fixed_count or misses >= 3):
@@ -281,24 +287,17 @@ class AutogradFloor(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, w1, w2, p = ctx.saved_inputs
-        return (
-            torch.empty_like(x), None, torch.empty_like(w1), torch.empty_like(w2),
-            torch.empty_like(p),
-        )  # fmt: skip
+        x, w1, w2, p = map(torch.empty_like, ctx.saved_inputs)
+        return x, None, w1, w2, p
 
 
 class DensePeak:
-    """The dense ceiling: TFLOP/s of ``torch.mm`` of two random n × n matrices (:meth:`mm` can
-    join the contenders' rounds, to compare at the same clock)."""
+    """The dense ceiling: torch.mm TFLOP/s at n³ (:meth:`mm` can join the contenders' rounds)."""
 
     def __init__(self, dtype=torch.bfloat16, device="cuda", n: int = 8192, time_fn=bench_ms):
         self.n, self.time_fn = n, time_fn
-        self.a = torch.randn(n, n, device=device, dtype=dtype)
-        self.b = torch.randn(n, n, device=device, dtype=dtype)
-
-    def mm(self) -> torch.Tensor:
-        return torch.mm(self.a, self.b)
+        self.a, self.b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+        self.mm = partial(torch.mm, self.a, self.b)
 
     def tflops(self, ms: float | None = None) -> float:
         """TFLOP/s at ``ms`` per product, timing one now when ``ms`` is None."""
@@ -312,21 +311,18 @@ def peak_mib(step: Callable, cuda: bool) -> float:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = step()
+    step()  # its outputs are freed at once: the peak is already counted
     torch.cuda.synchronize()
-    del out
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
 # --- Cases, the table and the outputs ---
-def log(*args) -> None:
-    print(*args, flush=True)
+log = partial(print, flush=True)
 
 
 def error_line(exc: BaseException, limit: int = 240) -> str:
     """The exception's type and first line, for progress lines and the JSON's error fields."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:limit]
+    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"[:limit]
 
 
 def parser(doc: str, quick: str | None = None, smoke: bool = True) -> argparse.ArgumentParser:
@@ -340,8 +336,21 @@ def parser(doc: str, quick: str | None = None, smoke: bool = True) -> argparse.A
     return ap
 
 
+def pick(shapes, wanted: str | Sequence[str] | None) -> list:
+    """Entries of ``shapes`` (a dict, or tuples led by a name) named in ``wanted`` (None: all)."""
+    wanted = [wanted] if isinstance(wanted, str) else wanted or ()
+    names = {n for w in wanted for n in w.split(",")}
+    items = shapes.items() if isinstance(shapes, dict) else shapes
+    return [s for s in items if not names or s[0] in names]
+
+
 def device_name(cuda: bool) -> str:
     return torch.cuda.get_device_name() if cuda else "cpu"
+
+
+def meta(cuda: bool, **extra) -> Row:
+    """The run's device and torch version, with ``extra``."""
+    return {"device": device_name(cuda), "torch": torch.__version__, **extra}
 
 
 def release_memory() -> None:
@@ -350,18 +359,11 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def run_cases(
-    cases: Iterable[tuple[str, Callable[[], Row | list[Row]]]],
-    budget_s: float | None = None,
-    after: Callable[[list[Row]], None] | None = None,
-) -> tuple[list[Row], list[str], dict[str, str]]:
-    """Run each case (name -> callable giving its row or rows): (rows, skipped past
-    ``budget_s`` from the first case's start, failed name -> error). ``after(rows)`` is called
-    after every case (e.g. to rewrite the JSON): a run cut short keeps what it measured."""
-    rows: list[Row] = []
-    skipped: list[str] = []
-    failed: dict[str, str] = {}
-    t_start = time.time()
+def run_cases(cases: Iterable[tuple[str, Callable]], budget_s: float | None = None,
+              after: Callable[[list[Row]], None] | None = None) -> tuple[list, list, dict]:  # fmt: skip
+    """Run each case (name -> callable giving its row or rows): (rows, skipped past ``budget_s``,
+    failed name -> error); ``after(rows)`` after every case (a run cut short keeps its rows)."""
+    rows, skipped, failed, t_start = [], [], {}, time.time()
     for name, run in cases:
         if budget_s is not None and time.time() - t_start > budget_s:
             skipped.append(name)
@@ -381,24 +383,14 @@ def run_cases(
     return rows, skipped, failed
 
 
-Column = str | tuple[str, str | Callable[[Row], Any]]
-
-
-def table(rows: Sequence[Row], columns: Sequence[Column], floatfmt: str = ".2f") -> str:
+def table(rows: Sequence[Row], columns: Sequence, floatfmt: str = ".2f") -> str:
     """``tabulate`` of ``rows``: a column is a key, or (header, key or row -> value)."""
     from tabulate import tabulate
 
-    heads, cells = [], []
-    for col in columns:
-        head, get = (col, col) if isinstance(col, str) else col
-        heads.append(head)
-        cells.append(get if callable(get) else (lambda r, k=get: r.get(k)))
-    body = [[_cell(get(r)) for get in cells] for r in rows]
-    return tabulate(body, heads, floatfmt=floatfmt, missingval="-")
-
-
-def _cell(v):
-    return None if isinstance(v, float) and not math.isfinite(v) else v
+    cols = [(c, c) if isinstance(c, str) else c for c in columns]
+    gets = [g if callable(g) else (lambda r, k=g: r.get(k)) for _, g in cols]
+    body = [[_nan_to_null(get(r)) for get in gets] for r in rows]
+    return tabulate(body, [h for h, _ in cols], floatfmt=floatfmt, missingval="-")
 
 
 def _nan_to_null(v):
@@ -413,6 +405,7 @@ def _nan_to_null(v):
 
 def write_json(path, data) -> None:
     """``data`` as indented JSON (NaN and inf as null), replacing ``path`` only once complete."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(f"{path}.tmp", "w") as f:
         json.dump(_nan_to_null(data), f, indent=1)
     os.replace(f"{path}.tmp", path)
@@ -448,55 +441,36 @@ def _draw(ax, p: Panel) -> None:
             ax.scatter(xs, ys, s=12, label=name)
     for j, (name, y) in enumerate(p.hlines.items()):
         ax.axhline(y, color="k" if j == 0 else "gray", ls="--", lw=1, label=name)
-    ax.set(ylabel=p.ylabel, xlabel=p.xlabel, title=p.title)
     plotted = any(len(v if p.kind == "bar" else v[0]) for v in p.series.values())
-    if p.logx and plotted:  # a log axis of no points fails at savefig
-        ax.set_xscale("log")
-    if p.logy and plotted:
-        ax.set_yscale("log")
+    logs = {f"{a}scale": "log" for a, on in (("x", p.logx), ("y", p.logy)) if on and plotted}
+    ax.set(ylabel=p.ylabel, xlabel=p.xlabel, title=p.title, **logs)  # no log axis of no points
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
 
 
 def write_png(path, panels: Sequence[Panel], title: str = "") -> None:
-    """The panels side by side, with matplotlib's file-only Agg backend."""
-    import matplotlib
+    """The panels side by side: a matplotlib Figure, no pyplot (no backend, nothing to close)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    width = max([6.0] + [0.5 * len(p.labels) + 4 for p in panels])
-    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 5), squeeze=False)
-    for ax, p in zip(axes[0], panels):
+    fig = Figure(figsize=(max([6.0] + [0.5 * len(p.labels) + 4 for p in panels]) * len(panels), 5))
+    for ax, p in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
         _draw(ax, p)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def save(out: str, stem: str, data: dict, panels: Sequence[Panel] = (), title: str = "") -> None:
-    """``<out>/<stem>.json`` (NaN as null) and, with ``panels``, ``<out>/<stem>.png`` (skipped
-    with a note where matplotlib is missing or the plot fails: the JSON is what counts)."""
-    os.makedirs(out, exist_ok=True)
-    write_json(os.path.join(out, f"{stem}.json"), data)
-    if not panels:
-        return
-    try:
-        write_png(os.path.join(out, f"{stem}.png"), panels, title)
-    except Exception as exc:
-        log(f"no {stem}.png: {error_line(exc)}")
 
 
 # --- The generic loop: contenders × timers × rounds, ratios, and the run's outputs ---
-def measure(fns: Contenders, timers: dict[str, Callable], rounds: int = 1, row: Row | None = None,
-            keep: Callable = min, rotate: bool = False) -> Row:  # fmt: skip
-    """Every contender under every timer, ``rounds`` rounds taken in turns (the order rotating
-    each round with ``rotate``): ``row[f"{c}_{t}"]`` = ``keep`` of the rounds' figures and, over
-    several rounds, ``row[f"{c}_{t}_rounds"]``. A contender that raises gets NaN and
-    ``row[f"{c}_error"]``; the others go on."""
+def measure(fns: dict[str, Callable], timers: dict, rounds: int = 1, row: Row | None = None,
+            keep: Callable = min, rotate: bool = False, warm: bool = False) -> Row:  # fmt: skip
+    """Every contender under every timer (after one untimed call each with ``warm``), ``rounds``
+    rounds taken in turns (the order rotating each round with ``rotate``): ``row[f"{c}_{t}"]`` =
+    ``keep`` of the rounds' figures and, over several rounds, ``row[f"{c}_{t}_rounds"]``. A
+    contender that raises gets NaN and ``row[f"{c}_error"]``; the others go on."""
+    for fn in fns.values() if warm else ():
+        fn()  # compile, tune, warm the allocator
     row = {} if row is None else row
     per = {(c, t): [] for c in fns for t in timers}
     names = list(fns)
@@ -530,6 +504,11 @@ def ratios(row: Row, timer: str, pairs: dict[str, tuple[str, str]]) -> Row:
     return row
 
 
+def without_rounds(row: Row) -> Row:
+    """``row`` less the per-round lists of :func:`measure`."""
+    return {k: v for k, v in row.items() if not k.endswith("_rounds")}
+
+
 def bars(rows: Sequence[Row], series: dict[str, str], ylabel: str, label: str = "shape",
          **kw) -> Panel:  # fmt: skip
     """A bar panel: one bar per ``series`` label (-> row key) for each row, named by ``label``."""
@@ -537,9 +516,14 @@ def bars(rows: Sequence[Row], series: dict[str, str], ylabel: str, label: str = 
                  [str(r[label]) for r in rows], **kw)  # fmt: skip
 
 
-def finish(out: str, stem: str, data: dict, columns: Sequence[Column], panels=(), title="",
+def finish(out: str, stem: str, data: dict, columns: Sequence, panels=(), title="",
            floatfmt: str = ".3g", rows_key: str = "rows") -> None:  # fmt: skip
-    """Write ``<stem>.json`` (+ ``.png`` of ``panels``) and print ``data[rows_key]``'s table."""
-    save(out, stem, data, panels, title)
+    """Write ``<stem>.json`` and ``<stem>.png`` (a note if the plot fails); print the table."""
+    write_json(os.path.join(out, f"{stem}.json"), data)
+    try:
+        if panels:
+            write_png(os.path.join(out, f"{stem}.png"), panels, title)
+    except Exception as exc:
+        log(f"no {stem}.png: {error_line(exc)}")
     log(table(data[rows_key], columns, floatfmt))
     log(f"wrote {out}/{stem}.json")

@@ -3,9 +3,7 @@
 #   bash benchmarks/run_allreduce_rmsnorm.sh --out results/   (extra args go to the benchmark)
 # NVLink multicast is forbidden on the test machines: keep these three set in every launch.
 set -euo pipefail
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}

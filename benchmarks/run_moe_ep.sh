@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
-# Expert parallelism on every local GPU: the torchrun checks, the training example (TRAIN=1),
-# then benchmark_moe_layer.py at EP 1, the largest EP, and 2 (the scaling is against the EP 1
-# run of the same machine).
+# Expert parallelism on every local GPU: the torchrun checks, the training example (TRAIN=1), then
+# benchmark_moe_layer.py at EP 1, the largest EP and 2 (scaling against this machine's EP 1 run).
 #   bash benchmarks/run_moe_ep.sh bench_out      (MOEKIT_EP_CHECK_STEPS=0 skips the checks;
 #   BENCH_EPS="4" EP1_JSON=... times one EP size against an earlier EP 1 file; BENCH_ARGS are
 #   passed to every EP > 1 run, e.g. "--ep-chunks 4")
 # NVLink multicast is forbidden on the test machines: keep these three set in every launch.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
