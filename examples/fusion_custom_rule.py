@@ -25,24 +25,24 @@ RULE = "linear_bias"
 
 
 class FusedLinearBias(mf.FusedOp):
-    """``y = x @ weightᵀ + bias`` in one ``F.linear``. Owns no parameters: it reads the
-    Linear's ``weight`` and the Bias's ``bias``. Leaves the Linear's context (``x``)."""
+    """``y = x @ weightᵀ + bias`` in one ``F.linear``. Owns no parameters: it computes with
+    the Linear's ``weight`` and the Bias's ``bias`` as the call hands them in (``params``, one
+    mapping per op). Leaves the Linear's context (``x``)."""
 
-    def fuser_forward(self, ctxs, x, extras):
-        linear, bias = self.ops
+    def fuser_forward(self, ctxs, x, extras, params):
+        linear, bias = params
         ctxs[0].x = x
-        return F.linear(x, linear.weight, bias.bias), None
+        return F.linear(x, linear["weight"], bias["bias"]), None
 
-    def fuser_backward(self, ctxs, dy, grads):
-        linear, bias = self.ops
-        x, w, b = ctxs[0].x, linear.weight, bias.bias
+    def fuser_backward(self, ctxs, dy, grads, params):
+        x, w, b = ctxs[0].x, params[0]["weight"], params[1]["bias"]
         dx = dy @ w if ctxs[0].needs_input_grad else None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         # into w.main_grad when the weight has one, as Linear's own backward does
         dw = accumulate_weight_grad(w, dy2.t() @ x2) if w.requires_grad else None
         acc = torch.promote_types(dy2.dtype, torch.float32)  # fp32, or fp64 for fp64
         db = dy2.sum(0, dtype=acc).to(b.dtype) if b.requires_grad else None
-        return dx, {}, ((dw,), (db,))  # dx, extra-input grads, one tuple per op
+        return dx, {}, ({"weight": dw}, {"bias": db})  # dx, extra-input grads, per op
 
 
 def linear_bias_rule(ops, facts):

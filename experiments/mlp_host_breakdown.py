@@ -20,7 +20,7 @@ from common import sleep_cycles_per_ms
 
 import moekit.ops  # noqa: F401 - the package imports its modules
 
-custom_op = sys.modules["moekit.ops.custom_op"]
+custom_op = sys.modules["moekit.runtime.op"]
 gm = sys.modules["moekit.ops.grouped_mlp"]  # (moekit.ops.grouped_mlp is the function)
 replay = sys.modules["moekit.runtime.replay"]
 

@@ -38,7 +38,11 @@ sys.path.insert(0, _TREE or os.path.join(os.path.dirname(__file__), ".."))
 
 from moekit.nn import MoELayer  # noqa: E402
 from moekit.ops import grouped_mlp, grouped_mm, permute, topk_routing, unpermute  # noqa: E402
-from moekit.ops.custom_op import dispatcher_only  # noqa: E402
+
+try:  # the op base's module (an older checkout has it as moekit.ops.custom_op)
+    from moekit.runtime.op import dispatcher_only
+except ImportError:
+    from moekit.ops.custom_op import dispatcher_only
 from moekit.runtime import replay  # noqa: E402
 
 DEV, DT = "cuda", torch.bfloat16

@@ -5,6 +5,8 @@
 * No library function body is longer than 60 lines (docstring aside), except Triton kernels;
   none takes more than 12 positional parameters.
 * Every environment variable is read in moekit/config.py.
+* Every op is built on the op base (moekit/runtime/op.py): no module of the op layers
+  registers a custom op itself, takes a plan uid or writes the cache directly.
 * State that outlives a call lives in moekit/runtime/state.py: no other module binds a
   module-level name to an empty container, nor a lowercase name to any new container (tables
   in CAPITALS are constants).
@@ -171,3 +173,24 @@ def test_environment_read_only_in_config():
     # which are not moekit knobs: listed here, everything else goes through config.py.
     allowed = {"distributed/env.py"}
     assert {r.split(":")[0] for r in readers} <= allowed, readers
+
+
+# What only the op base does for the op layers: register custom ops (kernel_op), hand out plan
+# uids and cache plans (planned).
+_BASE_ONLY = ("torch.library.custom_op", "STATE.uids", "cached")
+_OP_LAYERS = ("ops/", "nn/", "fusion/", "integrations/")
+
+
+def test_ops_are_built_on_the_op_base():
+    found = []
+    for path in _modules():
+        rel = path.relative_to(PACKAGE).as_posix()
+        if not rel.startswith(_OP_LAYERS):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute | ast.Name) and ast.unparse(node) in _BASE_ONLY:
+                found.append(f"{rel}:{node.lineno} {ast.unparse(node)}")
+    # the all-reduce's launch plans hold symmetric buffers of one pool generation, not a
+    # validated configuration: cached in the one cache under the pool's generation
+    allowed = {"ops/allreduce.py:cached"}
+    assert {f"{f.split(':')[0]}:{f.split()[-1]}" for f in found} <= allowed, found

@@ -39,14 +39,16 @@ def test_importing_moekit_hooks_nothing_runs_nothing_sets_nothing():
     assert _fresh_python(code) == "0 0 0 []"
 
 
-def test_the_first_sequential_installs_the_parameter_hook():
+def test_sequential_installs_no_global_hook():
+    # A chain finds its parameters at call time itself: nothing process-wide is hooked
     code = (
         "import torch\n"
         "from moekit import fusion\n"
-        "fusion.Sequential(fusion.Linear(4, 4))\n"
+        "chain = fusion.Sequential(fusion.Linear(4, 4))\n"
+        "chain(torch.randn(2, 4)).sum().backward()\n"
         "print(len(torch.nn.modules.module._global_parameter_registration_hooks))\n"
     )
-    assert _fresh_python(code) == "1"
+    assert _fresh_python(code) == "0"
 
 
 def test_clear_empties_every_store():

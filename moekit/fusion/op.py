@@ -12,6 +12,13 @@ an op's forward (the op itself or a fused op) leaves in that op's context what t
 backward reads (documented on each basic op), and whatever runs its backward reads it from
 there. A fused op that runs both passes of its window (``passes`` with both) may instead keep
 its own state in the first context of the window.
+
+**Parameters are handed in.** Every method that computes takes ``params``: the tensors this
+call computes with, by the names the op registers them under (``params["weight"]``; a
+parameter that is None, such as an absent bias, maps to None). They are the registered
+parameters, or what stands for them in this call: their casts inside a ``torch.autocast``
+region, FSDP2's unsharded parameters, a ``torch.func.functional_call``'s tensors. An op never
+reads ``self.weight`` to compute (only its :meth:`BasicOp.reference` does).
 """
 
 from __future__ import annotations
@@ -22,9 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["BasicOp", "Decline", "FusedOp", "OpContext", "RecordedGraph", "grad_dtype"]
+__all__ = ["BasicOp", "Decline", "FusedOp", "OpContext", "Params", "RecordedGraph"]
 
 Extras = dict[str, Any]
+# One op's parameters for one call: registered name -> tensor (None for a None parameter).
+Params = Mapping[str, Any]
 
 
 class OpContext:
@@ -45,21 +54,22 @@ class BasicOp(nn.Module):
     Subclasses set ``extra_inputs`` / ``extra_outputs`` (names; may depend on constructor
     arguments) and implement:
 
-    - ``op_forward(ctx, x, extras) -> (y, outputs)``: ``extras`` maps every extra name made so
-      far (and the caller's extra inputs) to its value; ``outputs`` maps each of this op's
-      ``extra_outputs`` to a value. Runs without autograd recording; saves in ``ctx`` what
-      ``op_backward`` reads.
-    - ``op_backward(ctx, dy, grads) -> (dx, input_grads, param_grads)``: ``grads`` maps extra
-      names to the gradient accumulated for them so far (absent: none); ``input_grads`` maps
-      this op's differentiable extra inputs to their gradients; ``param_grads`` is one entry
-      per ``self.parameters()`` (None where there is none, e.g. it went to ``main_grad``).
+    - ``op_forward(ctx, x, extras, params) -> (y, outputs)``: ``extras`` maps every extra name
+      made so far (and the caller's extra inputs) to its value; ``outputs`` maps each of this
+      op's ``extra_outputs`` to a value. Runs without autograd recording; saves in ``ctx``
+      what ``op_backward`` reads.
+    - ``op_backward(ctx, dy, grads, params) -> (dx, input_grads, param_grads)``: ``grads``
+      maps extra names to the gradient accumulated for them so far (absent: none);
+      ``input_grads`` maps this op's differentiable extra inputs to their gradients;
+      ``param_grads`` maps parameter names to their gradients (absent or None: none, e.g. it
+      went to ``main_grad``). ``params`` are the tensors the forward computed with.
     - ``reference(x, extras) -> (y, outputs)``: the same function in plain differentiable
-      PyTorch (the tests' oracle).
+      PyTorch on the registered parameters (the tests' oracle).
 
-    Optionally, like a fused op, ``autograd_forward(x, extras) -> (y, outputs)``: the op
-    through differentiable torch or moekit ops, which a chain may run instead of the
-    pipeline's autograd node (see :class:`FusedOp`), wherever ``autograd_ready()`` says so
-    for this call.
+    Optionally, like a fused op, ``autograd_forward(x, extras, params) -> (y, outputs)``: the
+    op through differentiable torch or moekit ops, which a chain runs under autograd instead
+    of ``op_forward`` / ``op_backward`` wherever ``autograd_ready(params)`` says so for the
+    call (see :class:`FusedOp`).
 
     ``autocast_extras``: the extra inputs that must have the chain's working dtype, like the
     tensor they meet (e.g. a residual added to it): a chain inside a ``torch.autocast``
@@ -69,17 +79,17 @@ class BasicOp(nn.Module):
     extra_inputs: tuple[str, ...] = ()
     extra_outputs: tuple[str, ...] = ()
     autocast_extras: tuple[str, ...] = ()
-    autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
+    autograd_forward: Callable[[torch.Tensor, Extras, Params], tuple] | None = None
 
-    def autograd_ready(self) -> bool:
+    def autograd_ready(self, params: Params) -> bool:
         """Whether ``autograd_forward`` computes what ``op_forward`` / ``op_backward`` would
-        for a call now (checked on every call of a chain that would run it)."""
+        for a call with these parameters (checked on every call that would run it)."""
         return True
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: Extras) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: Extras, params: Params) -> tuple:
         raise NotImplementedError
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: Extras) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: Extras, params: Params) -> tuple:
         raise NotImplementedError
 
     def reference(self, x: torch.Tensor, extras: Extras) -> tuple:
@@ -93,27 +103,24 @@ class BasicOp(nn.Module):
 
 class FusedOp:
     """Stands in for ``ops`` (a window of basic ops) in one or both passes; owns no
-    parameters. Implement ``fuser_forward`` and/or ``fuser_backward``:
+    parameters. ``params`` holds one :data:`Params` per op of the window. Implement:
 
-    - ``fuser_forward(ctxs, x, extras) -> (y, outputs)``: ``ctxs`` are the window's contexts
-      (fill each as its op's forward would); ``outputs`` holds every extra the window's ops
-      make (or None with ``makes_extras = False``).
-    - ``fuser_backward(ctxs, dy, grads) -> (dx, input_grads, param_grads)``: ``input_grads``
-      for the differentiable extras the window reads from outside it; ``param_grads`` one
-      tuple per op of the window, as that op's ``op_backward`` would return.
-
-    A fused op that runs both passes may also set ``autograd_forward(x, extras) -> (y,
-    outputs)``: the same window through moekit's differentiable ops (their own autograd
-    Functions). A chain whose two passes run the same steps, each with an autograd form, runs
-    those forms one after another under autograd, without the pipeline's autograd node and
-    its host time.
+    - ``fuser_forward(ctxs, x, extras, params) -> (y, outputs)``: ``ctxs`` are the window's
+      contexts (fill each as its op's forward would); ``outputs`` holds every extra the
+      window's ops make (or None with ``makes_extras = False``).
+    - ``fuser_backward(ctxs, dy, grads, params) -> (dx, input_grads, param_grads)``:
+      ``input_grads`` for the differentiable extras the window reads from outside it;
+      ``param_grads`` one mapping per op of the window, as that op's ``op_backward`` returns.
+    - or, for both passes, ``autograd_forward(x, extras, params) -> (y, outputs)``: the window
+      through differentiable ops (moekit's ops, with their own autograd Functions), which the
+      chain runs under autograd: its host time is those ops' own.
     """
 
-    autograd_forward: Callable[[torch.Tensor, Extras], tuple] | None = None
-    # True where ``autograd_forward``, run inside a ``torch.autocast`` region on the parameters
-    # as they are, computes what it computes on the parameters cast to the region's dtype
-    # outside one (it runs moekit's autocast-aware ops, which write fp32 weights' gradients in
-    # fp32): a chain of such steps then runs them so, with no casts of its own.
+    autograd_forward: Callable[[torch.Tensor, Extras, Sequence[Params]], tuple] | None = None
+    # True where ``autograd_forward``, run inside a ``torch.autocast`` region on the registered
+    # parameters, computes what it computes on the parameters cast to the region's dtype
+    # outside one (it runs moekit's autocast-aware ops, which cast the weights themselves and
+    # write fp32 weights' gradients in fp32): a chain runs it so.
     autocast_native: bool = False
     # False for a fused op whose ``outputs`` leave out the extras its window's ops make (they
     # stay inside it): the planner then uses it only where no later op reads those extras and
@@ -123,24 +130,19 @@ class FusedOp:
     def __init__(self, ops: Sequence[BasicOp]) -> None:
         self.ops = tuple(ops)
 
-    def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: Extras) -> tuple:
+    def fuser_forward(
+        self, ctxs: list[OpContext], x: torch.Tensor, extras: Extras, params: Sequence[Params]
+    ) -> tuple:
         raise NotImplementedError
 
-    def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: Extras) -> tuple:
+    def fuser_backward(
+        self, ctxs: list[OpContext], dy: torch.Tensor, grads: Extras, params: Sequence[Params]
+    ) -> tuple:
         raise NotImplementedError
 
 
 class Decline(str):
     """What a rule returns when it does not apply to a window: the reason, in words."""
-
-
-def grad_dtype(param: torch.Tensor) -> torch.dtype:
-    """The dtype an op's backward best writes ``param``'s gradient in: the dtype of the
-    parameter that ``param`` stands in for. Under ``torch.autocast`` a
-    :class:`moekit.fusion.Sequential` hands its ops per-call casts of the parameters; it
-    converts a gradient of any other dtype itself, but a kernel that writes the parameter's
-    dtype directly (fp32 from its fp32 accumulator) saves that pass and a rounding."""
-    return getattr(param, "moekit_grad_dtype", param.dtype)
 
 
 def add_grad(grads: Extras, name: str, g: torch.Tensor | None) -> None:
@@ -154,9 +156,9 @@ def add_grad(grads: Extras, name: str, g: torch.Tensor | None) -> None:
 class RecordedGraph:
     """A backward by autograd for ops whose forward is a composition of differentiable ops:
     the forward runs ``fn`` under ``enable_grad`` on detached copies of its tensor inputs and
-    keeps the graph; :meth:`backward` differentiates it. Parameters are reached by the graph
-    itself (``fn`` uses them as they are). ``record=False`` (no backward will run) runs ``fn``
-    without recording."""
+    keeps the graph; :meth:`backward` differentiates it. ``params`` (the call's parameter
+    tensors, which ``fn`` uses as they are) are reached by the graph itself. ``record=False``
+    (no backward will run) runs ``fn`` without recording."""
 
     __slots__ = ("inputs", "outputs", "params")
 

@@ -25,8 +25,9 @@ __all__ = ["Declined", "Facts", "Plan", "Step", "make_plan"]
 class Facts:
     """What a rule may know about a call besides its ops: the main input's dtype and device,
     its last dim and rank (never the token count: plans do not change with it), whether
-    gradients will be wanted, and whether moekit's Triton kernels run there (CUDA, or CPU
-    under ``TRITON_INTERPRET=1``)."""
+    gradients will be wanted, whether moekit's Triton kernels run there (CUDA, or CPU under
+    ``TRITON_INTERPRET=1``), and inside a ``torch.autocast`` region the dtype the call casts
+    the parameters to (:meth:`dtype_of` a parameter: the dtype it computes in)."""
 
     dtype: torch.dtype
     device: torch.device
@@ -34,6 +35,15 @@ class Facts:
     ndim: int  # x.dim()
     requires_grad: bool
     triton: bool
+    param_dtype: torch.dtype | None = None  # the autocast region's dtype; None: outside one
+
+    def dtype_of(self, param: torch.Tensor) -> torch.dtype:
+        """The dtype ``param`` computes in during the call: under autocast every floating
+        parameter but fp64 ones is cast to the region's dtype (moekit.ops.autocast_weight)."""
+        cast = self.param_dtype
+        if cast is None or not param.is_floating_point() or param.dtype == torch.float64:
+            return param.dtype
+        return cast
 
 
 @dataclasses.dataclass(frozen=True)

@@ -216,6 +216,17 @@ def _pull_tokens_kernel(
 
 
 @triton.jit
+def _owner_row(peer_bases_ptr, row_index_ptr, rows, rmask, shift, d, lanes,
+               WORLD: tl.constexpr):  # fmt: skip
+    """(sent, base, pos) of owner d for each row of a pull_sum block: whether the token went to
+    d, d's buffer address and pos_d(t), the token's row among what d received."""
+    ri = tl.load(row_index_ptr + rows.to(tl.int64) * WORLD + d, mask=rmask, other=-1)
+    sent = ri >= 0
+    pos = (ri + tl.sum(tl.where(lanes == d, shift, 0), axis=0)).to(tl.int64)
+    return sent, tl.load(peer_bases_ptr + d), pos
+
+
+@triton.jit
 def _pull_sum_kernel(
     peer_bases_ptr, table_ptr,  # [W] int64; [W, W] int32 cnt[source, destination]
     row_index_ptr,  # [T, W] int32: place of token t in this rank's list for rank d (−1: not sent)
@@ -246,10 +257,8 @@ def _pull_sum_kernel(
             cm = cols < H
             acc = tl.zeros((BLOCK_R, BLOCK_H), dtype=tl.float32)
             for d in tl.static_range(WORLD):
-                ri = tl.load(row_index_ptr + rows.to(tl.int64) * WORLD + d, mask=rmask, other=-1)
-                ok = ri >= 0
-                pos = (ri + tl.sum(tl.where(lanes == d, shift, 0), axis=0)).to(tl.int64)
-                base = tl.load(peer_bases_ptr + d)
+                ok, base, pos = _owner_row(peer_bases_ptr, row_index_ptr, rows, rmask, shift, d,
+                                           lanes, WORLD)  # fmt: skip
                 row_ptr = tl.multiple_of((base + y_off).to(tl.pointer_type(dtype)) + pos * H, 16)
                 v = tl.load(row_ptr[:, None] + cols[None, :], mask=ok[:, None] & cm[None, :],
                             other=0.0)  # fmt: skip
@@ -260,10 +269,8 @@ def _pull_sum_kernel(
             km = kk < K
             acc_m = tl.zeros((BLOCK_R, K_P2), dtype=tl.float32)
             for d in tl.static_range(WORLD):
-                ri = tl.load(row_index_ptr + rows.to(tl.int64) * WORLD + d, mask=rmask, other=-1)
-                ok = ri >= 0
-                pos = (ri + tl.sum(tl.where(lanes == d, shift, 0), axis=0)).to(tl.int64)
-                base = tl.load(peer_bases_ptr + d)
+                ok, base, pos = _owner_row(peer_bases_ptr, row_index_ptr, rows, rmask, shift, d,
+                                           lanes, WORLD)  # fmt: skip
                 mrow = (base + meta_off).to(tl.pointer_type(tl.float32)) + pos * K
                 acc_m += tl.load(mrow[:, None] + kk[None, :], mask=ok[:, None] & km[None, :],
                                  other=0.0)  # fmt: skip
@@ -321,6 +328,24 @@ def _grid(n_blocks: int, sms: int, config: PullConfig) -> int:
     return max(1, min(n_blocks, sms * config.programs_per_sm))
 
 
+def _pull_launch(
+    peer_bases: torch.Tensor,
+    out: torch.Tensor,  # [rows, H]: the pull's output rows
+    slots: torch.Tensor | None,  # [rows, K]: its per-slot metadata output, if any
+    sms: int,
+    config: PullConfig,
+) -> tuple[int, dict]:
+    """(grid, meta) of a pull: the launch arguments that pull_tokens and pull_sum share."""
+    W, W2 = _world(peer_bases)
+    K = slots.shape[1] if slots is not None else 1
+    grid = _grid(cdiv(out.shape[0], config.block_r), sms, config)
+    meta = dict(
+        WORLD=W, WORLD_P2=W2, K=K, K_P2=max(next_power_of_2(K), 2), HAS_META=slots is not None,
+        BLOCK_R=config.block_r, BLOCK_H=config.block_h, NUM_PROGRAMS=grid, num_warps=4,
+    )  # fmt: skip
+    return grid, meta
+
+
 def pull_tokens(
     peer_bases: torch.Tensor,
     table: torch.Tensor,  # [W, W] int32
@@ -334,19 +359,15 @@ def pull_tokens(
     config: PullConfig,
 ) -> None:
     """The dispatch read (see the module docstring); ``ids``/``probs`` None: rows only."""
-    W, W2 = _world(peer_bases)
     bound, H = out.shape
-    K = ids.shape[1] if ids is not None else 1
-    block_r, block_h = config.block_r, config.block_h
-    grid = _grid(cdiv(bound, block_r), sms, config)
+    grid, meta = _pull_launch(peer_bases, out, ids, sms, config)
     launch(
         _pull_tokens_kernel, (grid,),
         peer_bases, table, out, ids if ids is not None else table,
         probs if probs is not None else table,
         rank, H, bound, experts_local, out.stride(0),
         layout.x, layout.x_meta, layout.lists,
-        WORLD=W, WORLD_P2=W2, K=K, K_P2=max(next_power_of_2(K), 2), HAS_META=ids is not None,
-        BLOCK_R=block_r, BLOCK_H=block_h, NUM_PROGRAMS=grid, num_warps=4,
+        **meta,
     )  # fmt: skip
 
 
@@ -362,18 +383,13 @@ def pull_sum(
     config: PullConfig,
 ) -> None:
     """The combine read (see the module docstring); ``meta_out`` None: rows only."""
-    W, W2 = _world(peer_bases)
     T, H = out.shape
-    K = meta_out.shape[1] if meta_out is not None else 1
-    block_r, block_h = config.block_r, config.block_h
-    grid = _grid(cdiv(T, block_r), sms, config)
+    grid, meta = _pull_launch(peer_bases, out, meta_out, sms, config)
     launch(
         _pull_sum_kernel, (grid,),
         peer_bases, table, row_index, out, meta_out if meta_out is not None else table,
         rank, T, H, out.stride(0), layout.y, layout.y_meta,
-        WORLD=W, WORLD_P2=W2, K=K, K_P2=max(next_power_of_2(K), 2),
-        HAS_META=meta_out is not None, BLOCK_R=block_r, BLOCK_H=block_h, NUM_PROGRAMS=grid,
-        num_warps=4,
+        **meta,
     )  # fmt: skip
 
 

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from moekit.config import interpret_mode
+from moekit.kernels.descriptors import matrix_desc, stacked_desc
 from moekit.kernels.ragged import (
     expert_bounds,
     next_deal_start,
@@ -50,7 +51,7 @@ from moekit.runtime.replay import launch
 from moekit.runtime.tma import tma_ready
 from moekit.tuning.grouped_gemm import GemmConfig
 
-__all__ = ["grouped_mm_ragged_k", "grouped_mm_ragged_m"]
+__all__ = ["grouped_mm_ragged_k", "grouped_mm_ragged_m", "persistent_launch"]
 
 
 @triton.jit
@@ -105,22 +106,12 @@ def _grouped_mm_ragged_m_kernel(
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    a_desc = tl.make_tensor_descriptor(
-        a_ptr, shape=[T, K], strides=[stride_a_t, 1], block_shape=[BLOCK_M, BLOCK_K]
-    )
+    a_desc = matrix_desc(a_ptr, T, K, stride_a_t, BLOCK_M, BLOCK_K)
     if B_K_MAJOR:
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E, N, K], strides=[stride_b_e, stride_b_n, 1],
-            block_shape=[1, BLOCK_N, BLOCK_K],
-        )  # fmt: skip
+        b_desc = stacked_desc(b_ptr, E, N, K, stride_b_e, stride_b_n, BLOCK_N, BLOCK_K)
     else:
-        b_desc = tl.make_tensor_descriptor(
-            b_ptr, shape=[E, K, N], strides=[stride_b_e, stride_b_k, 1],
-            block_shape=[1, BLOCK_K, BLOCK_N],
-        )  # fmt: skip
-    c_desc = tl.make_tensor_descriptor(
-        c_ptr, shape=[T, N], strides=[stride_c_t, 1], block_shape=[BLOCK_M, BLOCK_N]
-    )
+        b_desc = stacked_desc(b_ptr, E, K, N, stride_b_e, stride_b_k, BLOCK_K, BLOCK_N)
+    c_desc = matrix_desc(c_ptr, T, N, stride_c_t, BLOCK_M, BLOCK_N)
     c_ragged = ragged_rows_desc(c_ptr, T, N, stride_c_t, BLOCK_M, EPI_N)
     a_main = a_desc
     if A_BOUNDED:
@@ -250,6 +241,26 @@ def _ragged_k_small(
 
 
 @triton.jit
+def _ragged_k_finish(
+    acc, e, off_m, off_n, start, end, a_ptr, b_ptr, c_desc, c_ptr, M, N,
+    stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, C_TMA: tl.constexpr, EPI_SUBTILE: tl.constexpr, EPI_N: tl.constexpr,
+):  # fmt: skip
+    """Store one finished tile: ``acc`` (its K steps through the descriptors; zeros if none),
+    or, for an expert ending within the first BLOCK_K rows, _ragged_k_small's product."""
+    if end < BLOCK_K:
+        acc = _ragged_k_small(
+            a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
+            BLOCK_M, BLOCK_N, BLOCK_K,
+        )  # fmt: skip
+    _ragged_k_epilogue(
+        acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e, stride_c_m,
+        stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+    )  # fmt: skip
+
+
+@triton.jit
 def _ragged_k_tile(
     tile, a_desc, b_desc, c_desc, a_ptr, b_ptr, c_ptr, order, offs_e, starts, ends, M, N,
     num_m, num_n, per_expert, stride_a_t, stride_b_t, stride_c_e, stride_c_m, stride_c_n,
@@ -268,14 +279,10 @@ def _ragged_k_tile(
         a = tl.trans(a_desc.load([j, i, off_m]).reshape(BLOCK_K, BLOCK_M))
         b = b_desc.load([j, i, off_n]).reshape(BLOCK_K, BLOCK_N)
         acc = tl.dot(a, b, acc)
-    if end < BLOCK_K:
-        acc = _ragged_k_small(
-            a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
-            BLOCK_M, BLOCK_N, BLOCK_K,
-        )  # fmt: skip
-    _ragged_k_epilogue(
-        acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e, stride_c_m,
-        stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+    _ragged_k_finish(
+        acc, e, off_m, off_n, start, end, a_ptr, b_ptr, c_desc, c_ptr, M, N, stride_a_t,
+        stride_b_t, stride_c_e, stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K,
+        C_TMA, EPI_SUBTILE, EPI_N,
     )  # fmt: skip
 
 
@@ -347,15 +354,10 @@ def _ragged_k_flat_loop(
             tile, order, offs_e, starts, ends, num_m, num_n, per_expert,
             BLOCK_M, BLOCK_N, GROUP_M,
         )  # fmt: skip
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if end < BLOCK_K:
-            acc = _ragged_k_small(
-                a_ptr, b_ptr, stride_a_t, stride_b_t, off_m, off_n, start, end, M, N,
-                BLOCK_M, BLOCK_N, BLOCK_K,
-            )  # fmt: skip
-        _ragged_k_epilogue(
-            acc, e, off_m, off_n, start, end, c_desc, c_ptr, M, N, stride_c_e,
-            stride_c_m, stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, C_TMA, EPI_SUBTILE, EPI_N,
+        _ragged_k_finish(
+            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), e, off_m, off_n, start, end,
+            a_ptr, b_ptr, c_desc, c_ptr, M, N, stride_a_t, stride_b_t, stride_c_e, stride_c_m,
+            stride_c_n, ACCUMULATE, BLOCK_M, BLOCK_N, BLOCK_K, C_TMA, EPI_SUBTILE, EPI_N,
         )  # fmt: skip
 
 
@@ -451,10 +453,7 @@ def _grouped_mm_ragged_k_kernel(
     order = (ranked & 0xFFFFF).to(tl.int32)  # expert id by rank
 
     if C_TMA:
-        c_desc = tl.make_tensor_descriptor(
-            c_ptr, shape=[E, M, N], strides=[stride_c_e, stride_c_m, 1],
-            block_shape=[1, BLOCK_M, EPI_N],
-        )  # fmt: skip
+        c_desc = stacked_desc(c_ptr, E, M, N, stride_c_e, stride_c_m, BLOCK_M, EPI_N)
     else:
         c_desc = a_desc  # unused placeholder: the epilogue stores through pointers
 
@@ -493,6 +492,23 @@ def _grouped_mm_ragged_k_kernel(
             )  # fmt: skip
 
 
+def persistent_launch(
+    config: GemmConfig, num_experts: int, x: torch.Tensor
+) -> tuple[tuple[int], dict]:
+    """(grid, meta) of a persistent grouped-GEMM kernel (here and in
+    :mod:`moekit.kernels.grouped_mlp`): one program per SM of x's device, and the
+    meta-parameters it takes from its config. Readies the device-side descriptors' allocator."""
+    ensure_scratch_allocator()
+    programs = num_sms(x)
+    meta = dict(
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=max(next_power_of_2(num_experts), 16), GROUP_M=config.group_m,
+        NUM_PROGRAMS=programs, FLATTEN=config.flatten,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    return (programs,), meta
+
+
 def grouped_mm_ragged_m(
     a: torch.Tensor,  # [T, K], TMA-ready rows
     b: torch.Tensor,  # [E, K, N], unit stride along K or N
@@ -503,23 +519,19 @@ def grouped_mm_ragged_m(
     zero_tail: bool = True,  # False: rows past offsets[-1] are left as they are
 ) -> None:
     """out[rows of e] = a[rows of e] @ b[e] (+ bias[e]); rows past offsets[-1] zeroed."""
-    ensure_scratch_allocator()
     T, K = a.shape
     E, _, N = b.shape
-    grid = num_sms(a)
+    grid, meta = persistent_launch(config, E, a)
     launch(
-        _grouped_mm_ragged_m_kernel, (grid,),
+        _grouped_mm_ragged_m_kernel, grid,
         a, b, out, bias if bias is not None else out, offsets,
         T, N, K, E,
         a.stride(0), b.stride(0), b.stride(1), b.stride(2), out.stride(0),
         bias.stride(0) if bias is not None else 0,
         B_K_MAJOR=b.stride(1) == 1 and b.stride(2) != 1, HAS_BIAS=bias is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
-        NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=config.c_tma,
-        WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
-        EXPERT_GROUPS=config.expert_groups, A_BOUNDED=config.a_bounded, ZERO_TAIL=zero_tail,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        C_TMA=config.c_tma, WARP_SPEC=config.warp_specialize,
+        EPI_SUBTILE=config.epilogue_subtile, EXPERT_GROUPS=config.expert_groups,
+        A_BOUNDED=config.a_bounded, ZERO_TAIL=zero_tail, **meta,
     )  # fmt: skip
 
 
@@ -532,11 +544,10 @@ def grouped_mm_ragged_k(
     config: GemmConfig,
 ) -> None:
     """out[e] (+)= a[:, cols of e] @ b[cols of e]; experts with no columns give zeros."""
-    ensure_scratch_allocator()
     M, T = a.shape
     N = b.shape[1]
     E = offsets.shape[0]
-    grid = num_sms(a)
+    grid, meta = persistent_launch(config, E, a)
     # TMA epilogue: unit stride along N, aligned strides, and a reduce-add only in fp32 (the
     # interpreter has no TMA reduce, so there an accumulating launch uses loads and stores).
     c_tma = (
@@ -545,15 +556,11 @@ def grouped_mm_ragged_k(
         and not (accumulate and (out.dtype != torch.float32 or interpret_mode()))
     )
     launch(
-        _grouped_mm_ragged_k_kernel, (grid,),
+        _grouped_mm_ragged_k_kernel, grid,
         a, b, out, offsets, tile_counter(a.device) if config.dynamic else offsets,
         M, N, T, E,
         a.stride(1), b.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        ACCUMULATE=accumulate,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
-        NUM_PROGRAMS=grid, FLATTEN=config.flatten, C_TMA=c_tma,
-        WARP_SPEC=config.warp_specialize, EPI_SUBTILE=config.epilogue_subtile,
-        DYNAMIC=config.dynamic, STATIC_SLACK_PCT=config.static_slack_pct,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        ACCUMULATE=accumulate, C_TMA=c_tma, WARP_SPEC=config.warp_specialize,
+        EPI_SUBTILE=config.epilogue_subtile, DYNAMIC=config.dynamic,
+        STATIC_SLACK_PCT=config.static_slack_pct, **meta,
     )  # fmt: skip

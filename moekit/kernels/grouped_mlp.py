@@ -26,6 +26,8 @@ import triton.language as tl
 
 from moekit.activations import Activation
 from moekit.config import interpret_mode
+from moekit.kernels.descriptors import matrix_desc, stacked_desc
+from moekit.kernels.grouped_gemm import persistent_launch
 from moekit.kernels.ragged import (
     next_deal_start,
     ragged_m_schedule,
@@ -34,8 +36,7 @@ from moekit.kernels.ragged import (
     ragged_rows_desc,
     split_small_experts,
 )
-from moekit.runtime.device import ensure_scratch_allocator, num_sms
-from moekit.runtime.intmath import cdiv, next_power_of_2
+from moekit.runtime.intmath import cdiv
 from moekit.runtime.replay import launch
 from moekit.tuning.grouped_gemm import GemmConfig
 
@@ -149,9 +150,7 @@ def _grouped_mlp_fc1_kernel(
     )
     num_n = tl.cdiv(F, BLOCK_N)
     k_tiles = tl.cdiv(H, BLOCK_K)
-    x_desc = tl.make_tensor_descriptor(
-        x_ptr, shape=[R, H], strides=[stride_x, 1], block_shape=[BLOCK_M, BLOCK_K]
-    )
+    x_desc = matrix_desc(x_ptr, R, H, stride_x, BLOCK_M, BLOCK_K)
     if GATED:
         w_desc = tl.make_tensor_descriptor(
             w1_ptr, shape=[E, F // I, 2, I, H],
@@ -159,10 +158,7 @@ def _grouped_mlp_fc1_kernel(
             block_shape=[1, 1, 1, BLOCK_N, BLOCK_K],
         )  # fmt: skip
     else:
-        w_desc = tl.make_tensor_descriptor(
-            w1_ptr, shape=[E, F, H], strides=[stride_w1_e, stride_w1_r, 1],
-            block_shape=[1, BLOCK_N, BLOCK_K],
-        )  # fmt: skip
+        w_desc = stacked_desc(w1_ptr, E, F, H, stride_w1_e, stride_w1_r, BLOCK_N, BLOCK_K)
 
     for tile in tl.range(pid, total_m * num_n, NUM_PROGRAMS, flatten=FLATTEN):
         e, off_m, row_end, pid_n = ragged_m_tile(
@@ -346,13 +342,8 @@ def _grouped_mlp_dact_kernel(
     offs_e, starts, ends, m_tiles, _, _ = ragged_m_schedule(offsets_ptr, E, R, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(F, BLOCK_N)
     k_tiles = tl.cdiv(H, BLOCK_K)
-    dy_desc = tl.make_tensor_descriptor(
-        dy_ptr, shape=[R, H], strides=[stride_dy, 1], block_shape=[BLOCK_M, BLOCK_K]
-    )
-    w_desc = tl.make_tensor_descriptor(
-        w2_ptr, shape=[E, H, F], strides=[stride_w2_e, stride_w2_h, 1],
-        block_shape=[1, BLOCK_K, BLOCK_N],
-    )  # fmt: skip
+    dy_desc = matrix_desc(dy_ptr, R, H, stride_dy, BLOCK_M, BLOCK_K)
+    w_desc = stacked_desc(w2_ptr, E, H, F, stride_w2_e, stride_w2_h, BLOCK_K, BLOCK_N)
     # The epilogue works on column slices of EPI_N (two halves with SUBTILE: fewer live
     # registers), through TMA: bulk h loads and dh / a stores clipped at the expert's end.
     EPI_N: tl.constexpr = BLOCK_N // 2 if SUBTILE else BLOCK_N
@@ -443,14 +434,13 @@ def grouped_mlp_fc1(
     config: GemmConfig,
 ) -> None:
     """a = act(x @ w1[e]^T + b1[e]) * probs per expert segment; h (pre-activation) if asked."""
-    ensure_scratch_allocator()
     R, H = x.shape
     E = w1.shape[0]
     F = a_out.shape[1]
-    sms = num_sms(x)
+    grid, meta = persistent_launch(config, E, x)
     dummy = a_out
     launch(
-        _grouped_mlp_fc1_kernel, (sms,),
+        _grouped_mlp_fc1_kernel, grid,
         x, w1, h_out if h_out is not None else dummy, a_out,
         probs if probs is not None else dummy, b1 if b1 is not None else dummy, offsets,
         R, H, F, E, interleave or F,
@@ -459,11 +449,7 @@ def grouped_mlp_fc1(
         b1.stride(0) if b1 is not None else 0,
         GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
         OFFSET=act.offset, HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None,
-        STORE_H=h_out is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
-        NUM_PROGRAMS=sms, FLATTEN=config.flatten,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        STORE_H=h_out is not None, **meta,
     )  # fmt: skip
 
 
@@ -487,14 +473,13 @@ def grouped_mlp_dact(
     (sum its rows for dprobs); the caller allocates ``part_out`` so that every buffer of the
     op's launches is its own. Returns None without probs.
     """
-    ensure_scratch_allocator()
     R, H = dy.shape
     E, _, F = w2.shape
-    sms = num_sms(dy)
+    grid, meta = persistent_launch(config, E, dy)
     num_n = cdiv(F, config.block_n)
     part = part_out[:num_n] if probs is not None else None
     launch(
-        _grouped_mlp_dact_kernel, (sms,),
+        _grouped_mlp_dact_kernel, grid,
         dy, w2, h, probs if probs is not None else dh_out, dh_out,
         part if part is not None else dh_out, a_out if a_out is not None else dh_out,
         offsets,
@@ -504,10 +489,7 @@ def grouped_mlp_dact(
         a_out.stride(0) if a_out is not None else F,  # a valid (unused) descriptor stride
         GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
         OFFSET=act.offset, HAS_PROBS=probs is not None, STORE_A=a_out is not None,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_E=max(next_power_of_2(E), 16), GROUP_M=config.group_m,
-        NUM_PROGRAMS=sms, FLATTEN=config.flatten, SUBTILE=config.block_n >= 32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SUBTILE=config.block_n >= 32, **meta,
     )  # fmt: skip
     return part
 

@@ -309,6 +309,29 @@ def _zero_rows(
 
 
 @triton.jit
+def _row_weight(row_w_ptr, rows, mask):
+    """row_w[rows] in fp32 (0 where masked)."""
+    return tl.load(row_w_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _token_rows(row_index_ptr, t, R, K: tl.constexpr, K_PAD: tl.constexpr):
+    """Token t's k rows on K_PAD lanes: (kx, k_mask, rows, r_mask). rows is int64 (−1 past k);
+    r_mask: the row is in [0, R) (a dropped slot's −1 is not)."""
+    kx = tl.arange(0, K_PAD)
+    k_mask = kx < K
+    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
+    return kx, k_mask, rows, (rows >= 0) & (rows < R)
+
+
+@triton.jit
+def _slot_row(row_index_ptr, t, s, R, K: tl.constexpr):
+    """Row of slot s of token t (int64) and whether it is in [0, R)."""
+    r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
+    return r, (r >= 0) & (r < R)
+
+
+@triton.jit
 def _scatter_token(
     t,  # int64 token
     x_ptr, row_index_ptr, slot_vals_ptr, row_w_ptr, dot_ptr, out_ptr, out_vals_ptr,
@@ -320,10 +343,7 @@ def _scatter_token(
 ):  # fmt: skip
     """One token of ``_scatter_rows_kernel``: x[t] to its k rows (see there)."""
     hx = tl.arange(0, BLOCK_H)
-    kx = tl.arange(0, K_PAD)
-    k_mask = kx < K
-    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
-    r_mask = (rows >= 0) & (rows < R)
+    kx, k_mask, rows, r_mask = _token_rows(row_index_ptr, t, R, K, K_PAD)
     if DOT:
         acc = tl.zeros((K_PAD,), dtype=tl.float32)
     if LOOP_K:
@@ -332,11 +352,10 @@ def _scatter_token(
             h_mask = h < H
             x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0, eviction_policy=EVICT)
             for s in tl.static_range(K):
-                r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
-                ok = (r >= 0) & (r < R)
+                r, ok = _slot_row(row_index_ptr, t, s, R, K)
                 mask = h_mask & ok
                 if WEIGHTED:
-                    w = tl.load(row_w_ptr + r, mask=ok, other=0.0).to(tl.float32)
+                    w = _row_weight(row_w_ptr, r, ok)
                     y = (x.to(tl.float32) * w).to(out_ptr.dtype.element_ty)
                 else:
                     y = x
@@ -349,7 +368,7 @@ def _scatter_token(
                     acc = tl.where(kx == s, acc + part, acc)
     else:
         if WEIGHTED:
-            w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+            w = _row_weight(row_w_ptr, rows, r_mask)
         out_rows = out_ptr + rows[:, None] * stride_out_r
         for h0 in range(0, H, BLOCK_H):
             h = h0 + hx
@@ -447,10 +466,7 @@ def _gather_rows_kernel(
     dropped). One program per token."""
     t = tl.program_id(0).to(tl.int64)
     hx = tl.arange(0, BLOCK_H)
-    kx = tl.arange(0, K_PAD)
-    k_mask = kx < K
-    rows = tl.load(row_index_ptr + t * K + kx, mask=k_mask, other=-1).to(tl.int64)
-    r_mask = (rows >= 0) & (rows < R)
+    kx, k_mask, rows, r_mask = _token_rows(row_index_ptr, t, R, K, K_PAD)
     if GATHER_VALS:
         v = tl.load(row_vals_ptr + rows, mask=r_mask, other=0.0)
         tl.store(out_vals_ptr + t * K + kx, v, mask=k_mask)
@@ -460,19 +476,18 @@ def _gather_rows_kernel(
             h_mask = h < H
             acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
             for s in tl.static_range(K):
-                r = tl.load(row_index_ptr + t * K + s).to(tl.int64)
-                ok = (r >= 0) & (r < R)
+                r, ok = _slot_row(row_index_ptr, t, s, R, K)
                 y = tl.load(src_ptr + r * stride_src_r + h, mask=h_mask & ok, other=0.0,
                             eviction_policy=EVICT).to(tl.float32)  # fmt: skip
                 if WEIGHTED:
-                    y = y * tl.load(row_w_ptr + r, mask=ok, other=0.0).to(tl.float32)
+                    y = y * _row_weight(row_w_ptr, r, ok)
                 acc += y
             tl.store(out_ptr + t * stride_out_t + h, acc.to(out_ptr.dtype.element_ty),
                      mask=h_mask, eviction_policy=EVICT)  # fmt: skip
     else:
-        if WEIGHTED:
-            w = tl.load(row_w_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
         src_rows = src_ptr + rows[:, None] * stride_src_r
+        if WEIGHTED:
+            w = _row_weight(row_w_ptr, rows, r_mask)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + hx
             h_mask = h < H

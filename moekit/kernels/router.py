@@ -28,7 +28,14 @@ SIGMOID_EPS = 1e-20
 
 
 @triton.jit
-def _scores(logits_ptr, rows, cols, mask, T, stride_l, SIGMOID: tl.constexpr):
+def _tile_scores(logits_ptr, T, E, stride_l, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                 SIGMOID: tl.constexpr):  # fmt: skip
+    """The program's [BLOCK_T, BLOCK_E] tile of scores (0 outside [T, E)): returns
+    (rows, cols, rmask, cmask, mask, scores)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    rmask, cmask = rows < T, cols < E
+    mask = rmask[:, None] & cmask[None, :]
     x = tl.load(
         logits_ptr + rows[:, None].to(tl.int64) * stride_l + cols[None, :],
         mask=mask, other=float("-inf"),
@@ -39,7 +46,7 @@ def _scores(logits_ptr, rows, cols, mask, T, stride_l, SIGMOID: tl.constexpr):
     else:
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
         s = e / tl.sum(e, axis=1)[:, None]
-    return tl.where(mask, s, 0.0)
+    return rows, cols, rmask, cmask, mask, tl.where(mask, s, 0.0)
 
 
 @triton.jit
@@ -82,11 +89,9 @@ def _topk_routing_fwd_kernel(
     NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, LOWEST: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    rmask, cmask = rows < T, cols < E
-    mask = rmask[:, None] & cmask[None, :]
-    s = _scores(logits_ptr, rows, cols, mask, T, stride_l, SIGMOID)
+    rows, cols, rmask, cmask, _, s = _tile_scores(
+        logits_ptr, T, E, stride_l, BLOCK_T, BLOCK_E, SIGMOID
+    )
     sel = s
     if HAS_BIAS:
         sel = sel + tl.load(bias_ptr + cols, mask=cmask, other=0.0)[None, :]
@@ -127,11 +132,9 @@ def _topk_routing_bwd_kernel(
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
     SIGMOID: tl.constexpr, NORMALIZE: tl.constexpr, EPS: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    rmask, cmask = rows < T, cols < E
-    mask = rmask[:, None] & cmask[None, :]
-    s = _scores(logits_ptr, rows, cols, mask, T, stride_l, SIGMOID)
+    rows, cols, rmask, _, mask, s = _tile_scores(
+        logits_ptr, T, E, stride_l, BLOCK_T, BLOCK_E, SIGMOID
+    )
     kcols = tl.arange(0, BLOCK_K)
     kmask = rmask[:, None] & (kcols < K)[None, :]
     offs = rows[:, None].to(tl.int64) * K + kcols[None, :]
@@ -161,6 +164,19 @@ def _topk_routing_bwd_kernel(
     tl.store(ptrs, dl.to(dlogits_ptr.dtype.element_ty), mask=mask)
 
 
+def _routing_launch(
+    T: int, k: int, score: str, normalize: bool, config: RouterConfig
+) -> tuple[tuple[int], dict]:
+    """(grid, meta) that the forward and backward routing launches share."""
+    sigmoid = score == "sigmoid"
+    meta = dict(
+        K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_K=next_power_of_2(k),
+        SIGMOID=sigmoid, NORMALIZE=normalize, EPS=SIGMOID_EPS if sigmoid else 0.0,
+        num_warps=config.num_warps,
+    )  # fmt: skip
+    return (cdiv(T, config.block_t),), meta
+
+
 def topk_routing_fwd(
     logits: torch.Tensor,  # [T, E], unit stride along E
     expert_bias: torch.Tensor | None,  # [E] fp32 contiguous
@@ -181,15 +197,14 @@ def topk_routing_fwd(
     # own that is replayed with the routing launch (torch.zeros would go through the dispatcher
     # on every call).
     launch(_zero_counts_kernel, (1,), counts, E, BLOCK_E=config.block_e, num_warps=1)
+    grid, meta = _routing_launch(T, k, score, normalize, config)
     launch(
-        _topk_routing_fwd_kernel, (cdiv(T, config.block_t),),
+        _topk_routing_fwd_kernel, grid,
         logits, expert_bias if expert_bias is not None else logits, probs, indices, counts,
         T, E, logits.stride(0), float(scaling),
-        K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e, BLOCK_K=next_power_of_2(k),
-        SIGMOID=score == "sigmoid", HAS_BIAS=expert_bias is not None, NORMALIZE=normalize,
-        NUM_GROUPS=groups, TOPK_GROUPS=topk_groups or 0, GROUP_SIZE=E // groups if groups else 1,
-        BLOCK_G=next_power_of_2(max(groups, 1)), LOWEST=LOWEST_SCORE,
-        EPS=SIGMOID_EPS if score == "sigmoid" else 0.0, num_warps=config.num_warps,
+        HAS_BIAS=expert_bias is not None, NUM_GROUPS=groups, TOPK_GROUPS=topk_groups or 0,
+        GROUP_SIZE=E // groups if groups else 1, BLOCK_G=next_power_of_2(max(groups, 1)),
+        LOWEST=LOWEST_SCORE, **meta,
     )  # fmt: skip
 
 
@@ -204,11 +219,9 @@ def topk_routing_bwd(
     config: RouterConfig,
 ) -> None:
     T, E = logits.shape
-    k = indices.shape[1]
+    grid, meta = _routing_launch(T, indices.shape[1], score, normalize, config)
     launch(
-        _topk_routing_bwd_kernel, (cdiv(T, config.block_t),),
+        _topk_routing_bwd_kernel, grid,
         logits, indices, grad_probs, dlogits, T, E, logits.stride(0), dlogits.stride(0),
-        float(scaling), K=k, BLOCK_T=config.block_t, BLOCK_E=config.block_e,
-        BLOCK_K=next_power_of_2(k), SIGMOID=score == "sigmoid", NORMALIZE=normalize,
-        EPS=SIGMOID_EPS if score == "sigmoid" else 0.0, num_warps=config.num_warps,
+        float(scaling), **meta,
     )  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moekit.ops.grouped_linear import check_features, grouped_linear
+from moekit.ops.validation import check_positive
 
 
 class GroupedLinear(nn.Module):
@@ -31,11 +32,7 @@ class GroupedLinear(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if num_experts < 1 or in_features < 1 or out_features < 1:
-            raise ValueError(
-                "num_experts, in_features and out_features must be positive, got "
-                f"{num_experts}, {in_features}, {out_features}"
-            )
+        check_positive(num_experts=num_experts, in_features=in_features, out_features=out_features)
         check_features(in_features, out_features, dtype or torch.get_default_dtype())
         self.num_experts = num_experts
         self.in_features = in_features

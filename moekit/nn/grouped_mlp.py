@@ -9,7 +9,7 @@ from torch import nn
 
 from moekit.activations import Activation, resolve_activation
 from moekit.ops.grouped_mlp import grouped_mlp
-from moekit.ops.validation import check_byte_aligned
+from moekit.ops.validation import check_byte_aligned, check_positive
 
 
 class GroupedMLP(nn.Module):
@@ -39,11 +39,9 @@ class GroupedMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if num_experts < 1 or hidden_size < 1 or ffn_hidden_size < 1:
-            raise ValueError(
-                "num_experts, hidden_size and ffn_hidden_size must be positive, got "
-                f"{num_experts}, {hidden_size}, {ffn_hidden_size}"
-            )
+        check_positive(
+            num_experts=num_experts, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size
+        )
         # One rule on every path: the kernels read hidden rows of 16 bytes; an F whose rows are
         # not 16-byte multiples runs the unfused composition (see moekit.ops.grouped_mlp).
         check_byte_aligned(

@@ -106,14 +106,16 @@ class TopKRouter(nn.Module):
                 self._buffers["expert_bias"] = bias.to(device=moved.device)
         return self
 
-    def forward(self, x: torch.Tensor) -> RouterOutput:
-        """x [T, H] → the routing of its T tokens."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.weight.shape[1]:
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> RouterOutput:
+        """x [T, H] → the routing of its T tokens. ``weight``: the [E, H] tensor to compute with
+        instead of the registered one (a per-call cast or an unsharded copy; moekit.fusion)."""
+        weight = self.weight if weight is None else weight
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != weight.shape[1]:
             raise ValueError(
-                f"x must be a [T, hidden_size = {self.weight.shape[1]}] tensor, got "
+                f"x must be a [T, hidden_size = {weight.shape[1]}] tensor, got "
                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
             )
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, weight)
         probs, indices, counts = route(logits, self.k, self.config, self.expert_bias)
         aux = z = None
         if self.aux_loss_coeff > 0:

@@ -7,15 +7,10 @@ from moekit.ops.allreduce import (
     auto_algo,
     set_auto_thresholds,
 )
+from moekit.ops.fp8 import Fp8Tensor, quantize_fp8
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
-from moekit.ops.grouped_mlp import (
-    grouped_mlp,
-    grouped_mlp_backward,
-    grouped_mlp_forward,
-    grouped_mlp_plan,
-    grouped_mlp_unsupported,
-)
+from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import (
     Dispatch,
     DispatchConfig,
@@ -30,6 +25,7 @@ from moekit.ops.router_losses import load_balancing_loss, router_z_loss
 __all__ = [
     "Dispatch",
     "DispatchConfig",
+    "Fp8Tensor",
     "RouterConfig",
     "add_rmsnorm",
     "allreduce",
@@ -38,13 +34,10 @@ __all__ = [
     "auto_algo",
     "grouped_linear",
     "grouped_mlp",
-    "grouped_mlp_backward",
-    "grouped_mlp_forward",
-    "grouped_mlp_plan",
-    "grouped_mlp_unsupported",
     "grouped_mm",
     "load_balancing_loss",
     "permute",
+    "quantize_fp8",
     "rmsnorm",
     "router_z_loss",
     "set_auto_thresholds",

@@ -36,7 +36,7 @@ No host synchronisation on the CUDA path; the pool is created (collectively) on 
 which must therefore happen before CUDA-graph capture.
 
 Wrapping: the collective is one kernel op (``moekit::allreduce_add_rmsnorm``, see
-:mod:`moekit.ops.custom_op`) that takes the group by name, since a custom op cannot take a
+:mod:`moekit.runtime.op`) that takes the group by name, since a custom op cannot take a
 ProcessGroup; inside it everything that depends only on the call's shape, dtype, device, group
 and algo (the algorithm ``auto`` picks, the fallback decision, the pool's workspace, the launch
 shape) is resolved once into a cached launch plan, and the kernel launch is replayed
@@ -58,7 +58,6 @@ from moekit.config import lamport_slot_bytes
 from moekit.distributed.env import group_from_name
 from moekit.distributed.symmetric_pool import SymmetricPool, get_pool, pool_generation
 from moekit.kernels import allreduce as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.rmsnorm import (
     add_rmsnorm,
     add_rmsnorm_backward,
@@ -69,6 +68,7 @@ from moekit.ops.rmsnorm import (
 from moekit.reference.allreduce import gather_allreduce_ref
 from moekit.runtime.cache import cached
 from moekit.runtime.device import num_sms
+from moekit.runtime.op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.state import warn_once
 from moekit.tuning import allreduce as tuning

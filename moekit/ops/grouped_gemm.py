@@ -10,7 +10,7 @@ Two forms, chosen by the operands' ranks:
 CUDA tensors run the Triton kernels (:mod:`moekit.kernels.grouped_gemm`); CPU tensors run the
 reference, or the kernels in Triton's interpreter when moekit is imported with
 ``TRITON_INTERPRET=1``. The kernel ops below (also used by ``grouped_linear``) are
-``torch.library`` custom ops (:mod:`moekit.ops.custom_op`).
+``torch.library`` custom ops (:mod:`moekit.runtime.op`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import torch
 from moekit.config import debug_checks
 from moekit.kernels import grouped_gemm as kernels
 from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors, autocast_weight
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import (
     FLOAT_DTYPES,
     check_byte_aligned,
@@ -37,10 +36,16 @@ from moekit.ops.validation import (
     check_tensor,
 )
 from moekit.reference.grouped_gemm import grouped_mm_ragged_k_ref, grouped_mm_ragged_m_ref
-from moekit.runtime.cache import cache_get, cached
 from moekit.runtime.device import num_sms, use_triton
+from moekit.runtime.op import (
+    call_key,
+    function_apply,
+    kernel_op,
+    needs_grad,
+    planned,
+    refuse_double_backward,
+)
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.runtime.state import STATE
 from moekit.runtime.tma import aligned_copy, tma_ready, tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as tuning
 
@@ -299,37 +304,17 @@ _apply_ragged_k = function_apply(_RaggedKFn)
 class _Plan:
     ragged_m: bool
     out_dtype: torch.dtype
-    # Names the kernel ops' launch replay when the kernel reads every input as given (layouts
-    # TMA-ready, offsets contiguous); 0 otherwise (the ops then check layouts on every call).
-    uid: int
+    uid: int = 0  # see moekit.runtime.op.planned
 
 
-def _plan_key(a, b, offsets, bias, out_dtype) -> tuple | None:
-    """The static facts of a CUDA call that its validation depends on; None for CPU tensors and
-    for arguments that are not tensors (the full checks then say what is wrong). Written out
-    flat: it runs on every call."""
-    try:
-        if not a.is_cuda:
-            return None
-        return (
-            "mm_plan", a.shape, a.stride(), a.dtype, a.device, b.shape, b.stride(), b.dtype,
-            b.device, offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
-            None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device),
-            out_dtype,
-        )  # fmt: skip
-    except AttributeError:
-        return None
-
-
-def _make_plan(key, a, b, offsets, ragged_m: bool, out_dtype) -> _Plan:
-    """The plan of a validated call, cached under ``key`` (when there is one)."""
+def _kernel_layouts(a, b, offsets, ragged_m: bool) -> bool:
+    """Whether the kernel reads these operands as they are (TMA-ready rows, contiguous
+    offsets), so that a plan's uid may key their launch replay."""
     if ragged_m:
         ready = tma_strides(a) and (tma_strides(b, 2) or tma_strides(b, 1))
     else:
         ready = tma_strides(a.t()) and tma_strides(b)
-    uid = next(STATE.uids) if key is not None and ready and offsets.is_contiguous() else 0
-    plan = _Plan(ragged_m, out_dtype, uid)
-    return cached(key, lambda: plan) if key is not None else plan
+    return ready and offsets.is_contiguous()
 
 
 def _run_plan(plan: _Plan, a, b, offsets, bias, master=None) -> torch.Tensor:
@@ -405,9 +390,7 @@ def _in_form(form: str, a: torch.Tensor, b: torch.Tensor):
         ) from None
 
 
-def _grouped_mm_ragged_m(
-    a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master=None
-):  # fmt: skip
+def _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate):
     T, N = a.shape[0], b.shape[2]
     with _in_form(_RAGGED_M_FORM, a, b):
         offsets, bias = check_ragged_m_inputs(a, b, offsets, bias, out_dtype)
@@ -421,8 +404,7 @@ def _grouped_mm_ragged_m(
                     f"out must be contiguous for the ragged-M form, got strides {out.stride()}"
                 )
     if out is None:
-        plan = _make_plan(key, a, b, offsets, True, out_dtype)
-        return _run_plan(plan, a, b, offsets, bias, master)
+        return _Plan(True, out_dtype)
     _check_no_grad(a, b, bias)
     if tma_ready(out):
         ragged_m_out(a, b, offsets, bias, out)
@@ -433,7 +415,7 @@ def _grouped_mm_ragged_m(
     return out
 
 
-def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key):
+def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate):
     M, T = a.shape
     N = b.shape[1]
     with _in_form(_RAGGED_K_FORM, a, b):
@@ -449,7 +431,7 @@ def _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, valida
         if out is not None:
             _check_out(out, (offsets.shape[0], M, N), out_dtype, a)
     if out is None:
-        return _run_plan(_make_plan(key, a, b, offsets, False, out_dtype), a, b, offsets, None)
+        return _Plan(False, out_dtype)
     _check_no_grad(a, b, None)
     ragged_k_out(a, b, offsets, out, accumulate)
     return out
@@ -526,17 +508,20 @@ def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, maste
     """grouped_mm outside autocast; ``master``: see _RaggedMFn (ragged M, no ``out``)."""
     if validate is False and debug_checks():  # MOEKIT_DEBUG=1: validate every call
         validate = True
-    key = None
-    if (
-        out is None
-        and validate is False
-        and accumulate is False
-        and not torch.compiler.is_compiling()
-    ):
-        key = _plan_key(a, b, offsets, bias, out_dtype)
-        plan = cache_get(key) if key is not None else None
-        if plan is not None:
-            return _run_plan(plan, a, b, offsets, bias, master)
+    if out is None and validate is False and accumulate is False:
+        key = call_key("grouped_mm", (a, b, offsets, bias), (out_dtype,))
+        plan = planned(
+            key,
+            lambda: _checked(a, b, offsets, out_dtype, None, False, bias, False),
+            lambda: _kernel_layouts(a, b, offsets, b.dim() == 3),
+        )
+        return _run_plan(plan, a, b, offsets, bias, master)
+    done = _checked(a, b, offsets, out_dtype, out, accumulate, bias, validate)
+    return _run_plan(done, a, b, offsets, bias, master) if out is None else done
+
+
+def _checked(a, b, offsets, out_dtype, out, accumulate, bias, validate):
+    """Every check of a call; the plan of a call without ``out``, else the product in ``out``."""
     a = check_tensor("a", a)
     b = check_tensor("b", b)
     if a.dim() != 2 or b.dim() not in (2, 3):
@@ -563,7 +548,5 @@ def _grouped_mm(a, b, offsets, out_dtype, out, accumulate, bias, validate, maste
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
     if b.dim() == 3:
-        return _grouped_mm_ragged_m(
-            a, b, offsets, out_dtype, out, accumulate, bias, validate, key, master
-        )  # fmt: skip
-    return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate, key)
+        return _grouped_mm_ragged_m(a, b, offsets, out_dtype, out, accumulate, bias, validate)
+    return _grouped_mm_ragged_k(a, b, offsets, out_dtype, out, accumulate, bias, validate)

@@ -7,8 +7,8 @@ import torch
 
 from moekit.ops import validation as v
 from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors, autocast_weight
-from moekit.ops.custom_op import function_apply, refuse_double_backward
 from moekit.ops.grouped_gemm import input_and_bias_grads, ragged_k, ragged_k_out, ragged_m
+from moekit.runtime.op import function_apply, refuse_double_backward
 
 __all__ = ["check_features", "grouped_linear"]
 

@@ -25,43 +25,29 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation, apply_activation, resolve_activation
 from moekit.kernels import grouped_mlp as kernels
+from moekit.ops import validation as v
 from moekit.ops.autocast import autocast_dtype, autocast_on, autocast_tensors
-from moekit.ops.custom_op import (
+from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
+from moekit.ops.grouped_linear import grouped_linear
+from moekit.runtime.cache import first_time
+from moekit.runtime.device import is_capturing, spare_bytes, use_triton
+from moekit.runtime.eager import owned_gradient
+from moekit.runtime.op import (
+    call_key,
     eager_shortcut,
     function_apply,
     kernel_op,
     needs_grad,
+    planned,
     refuse_double_backward,
 )
-from moekit.ops.grouped_gemm import launch_ragged_k, launch_ragged_m
-from moekit.ops.grouped_linear import grouped_linear
-from moekit.ops.validation import (
-    FLOAT_DTYPES,
-    check_byte_aligned,
-    check_dtype,
-    check_interpretable,
-    check_ndim,
-    check_offsets,
-    check_offsets_values,
-    check_same_device,
-    check_tensor,
-)
-from moekit.runtime.cache import cached, first_time
-from moekit.runtime.device import is_capturing, spare_bytes, use_triton
-from moekit.runtime.eager import owned_gradient
 from moekit.runtime.replay import compile_ahead, replayed, tensor_key
-from moekit.runtime.state import STATE, memoized, warn_once
+from moekit.runtime.state import memoized, warn_once
 from moekit.runtime.tma import tma_rows, tma_strides
 from moekit.tuning import grouped_gemm as gemm_tuning
 from moekit.tuning import grouped_mlp as tuning
 
-__all__ = [
-    "grouped_mlp",
-    "grouped_mlp_backward",
-    "grouped_mlp_forward",
-    "grouped_mlp_plan",
-    "grouped_mlp_unsupported",
-]
+__all__ = ["fused_unsupported", "grouped_mlp"]
 
 # Backward runs its launches as one replayed segment (one pass of replay overhead instead of
 # three) when freeing h and the activation before the gradients are allocated would save at
@@ -505,7 +491,8 @@ def _compile_backward_ahead(
 
 
 class _MLPCall(NamedTuple):
-    """The options of one fused call (a tuple: torch.compile traces it as constants)."""
+    """The options of one fused call, from its validated plan (a tuple: torch.compile traces it
+    as constants)."""
 
     act_name: str
     limit: float
@@ -513,18 +500,62 @@ class _MLPCall(NamedTuple):
     offset: float
     interleave: int  # 0: [gate | up] halves
     recompute: bool  # the backward recomputes the activation instead of saving it
-    for_backward: bool  # store h for the backward
-    uid: int  # a validated plan (0: none)
+    store_h: bool  # store h for the backward
+    uid: int  # the plan's (0: none)
     eager: bool  # the call checked eager_shortcut for all its tensors
     zero_tail: bool  # False: rows past offsets[-1] are left unwritten
 
-    def forward_kwargs(self) -> dict:
-        """The forward kernel op's options."""
-        return dict(
-            act_name=self.act_name, limit=self.limit, alpha=self.alpha, offset=self.offset,
-            interleave=self.interleave, store_h=self.for_backward, zero_tail=self.zero_tail,
-            plan_uid=self.uid,
+    @staticmethod
+    def of(plan: _Plan, eager: bool, zero_tail: bool, store_h: bool) -> _MLPCall:
+        a = plan.act
+        return _MLPCall(
+            a.name, a.limit, a.alpha, a.offset, plan.interleave or 0, plan.recompute, store_h,
+            plan.uid, eager, zero_tail,
         )  # fmt: skip
+
+
+class _MLPGrads(NamedTuple):
+    """What one backward call computes, besides its tensors."""
+
+    needs: tuple[bool, ...]  # gradients wanted: x, w1, w2, probs, b1, b2
+    dtypes: tuple[torch.dtype, torch.dtype, torch.dtype]  # b1's, b2's and the weights' grads
+    direct: bool  # plain eager: the kernel op's implementation, which frees h and a early
+    dy_owned: bool  # nothing else holds dy (only with direct): dx may take its memory
+
+
+def _forward_pass(x, offsets, w1, w2, probs, b1, b2, call: _MLPCall) -> tuple:
+    """The fused forward pass without autograd: (y [R, H], h [R, W1] pre-activation ([0, W1]
+    unless ``call.store_h``), a [R, F] = act(h) · probs). Tensors as in :func:`grouped_mlp`,
+    validated for ``call``."""
+    run = _forward.impl if call.eager else _forward
+    return run(
+        x, offsets, w1, w2, probs, b1, b2, act_name=call.act_name, limit=call.limit,
+        alpha=call.alpha, offset=call.offset, interleave=call.interleave, store_h=call.store_h,
+        zero_tail=call.zero_tail, plan_uid=call.uid,
+    )  # fmt: skip
+
+
+def _backward_pass(dy, saved: tuple, main_grads: tuple, call: _MLPCall, grads: _MLPGrads) -> tuple:
+    """The fused backward pass of :func:`_forward_pass`: (dx, dw1, dw2, dprobs, db1, db2), None
+    where not wanted in ``grads.needs`` and for a weight whose gradient went to its fp32
+    ``main_grad`` (``main_grads``: w1's and w2's, or None). ``saved``: (x, offsets, w1, w2,
+    probs, h, a, b1), ``a`` None where the forward's call recomputes it."""
+    x, offsets, w1, w2, probs, h, a, b1 = saved
+    mg1, mg2 = main_grads
+    needs = list(grads.needs)
+    b1_dtype, b2_dtype, w_dtype = grads.dtypes
+    run = _backward.impl if grads.direct else _backward
+    out = run(
+        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act_name=call.act_name,
+        limit=call.limit, alpha=call.alpha, offset=call.offset, interleave=call.interleave,
+        needs=needs, b1_dtype=b1_dtype, b2_dtype=b2_dtype, w_dtype=w_dtype,
+        release=grads.direct, dy_owned=grads.dy_owned, plan_uid=call.uid,
+        zero_tail=call.zero_tail,
+    )  # fmt: skip
+    if run is _backward:  # the custom op returns an empty tensor for each None
+        wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
+        out = tuple(t if want else None for t, want in zip(out, wanted))
+    return out
 
 
 class _GroupedMLPFn(torch.autograd.Function):
@@ -536,15 +567,14 @@ class _GroupedMLPFn(torch.autograd.Function):
     def forward(ctx, x, offsets, w1, w2, probs, b1, b2, mg1, mg2, call: _MLPCall, w1m, w2m):
         w_dtype = w1.dtype if w1m is None else w1m.dtype
         grad_dtypes = (*(b.dtype if b is not None else x.dtype for b in (b1, b2)), w_dtype)
-        act_args, inter = (call.act_name, call.limit, call.alpha, call.offset), call.interleave
         if call.eager and call.uid and x.is_cuda and x.shape[0] > 0:
+            act = _activation(call.act_name, call.limit, call.alpha, call.offset)
             opts = _BackwardOptions(
-                _activation(*act_args), _interleave(inter), tuple(_needs(ctx.needs_input_grad)),
+                act, _interleave(call.interleave), tuple(_needs(ctx.needs_input_grad)),
                 grad_dtypes, call.uid, False, call.zero_tail,
             )  # fmt: skip
             _compile_backward_ahead(x, offsets, w1, w2, probs, b1, mg1, mg2, opts, call.recompute)
-        run = _forward.impl if call.eager else _forward
-        y, h, a = run(x, offsets, w1, w2, probs, b1, b2, **call.forward_kwargs())
+        y, h, a = _forward_pass(x, offsets, w1, w2, probs, b1, b2, call)
         ctx.call = call
         # main_grad is mutated by every micro-batch's backward, so it cannot go through
         # save_for_backward (whose version check would fire); it is only written, never read.
@@ -557,28 +587,16 @@ class _GroupedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         refuse_double_backward("grouped_mlp")
-        x, offsets, w1, w2, probs, h, a, b1 = ctx.saved_tensors
-        mg1, mg2 = ctx.main_grads
-        n = ctx.needs_input_grad
-        needs = _needs(n)
-        call = ctx.call
-        direct = eager_shortcut((grad,)) and call.eager
-        run = _backward.impl if direct else _backward
+        direct = eager_shortcut((grad,)) and ctx.call.eager
         # only the direct call may return dx in grad's memory (a custom op's outputs cannot
         # alias its inputs)
-        owned = direct and owned_gradient(grad)
-        b1_dtype, b2_dtype, w_dtype = ctx.grad_dtypes
-        dx, dw1, dw2, dp, db1, db2 = run(
-            grad, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act_name=call.act_name,
-            limit=call.limit, alpha=call.alpha, offset=call.offset, interleave=call.interleave,
-            needs=needs, b1_dtype=b1_dtype, b2_dtype=b2_dtype, w_dtype=w_dtype, release=direct,
-            dy_owned=owned, plan_uid=call.uid, zero_tail=call.zero_tail,
+        grads = _MLPGrads(
+            tuple(_needs(ctx.needs_input_grad)), ctx.grad_dtypes, direct,
+            direct and owned_gradient(grad),
         )  # fmt: skip
-        if run is _backward:  # the custom op returns an empty tensor for each None
-            wanted = (n[0], n[2] and mg1 is None, n[3] and mg2 is None, n[4], n[5], n[6])
-            dx, dw1, dw2, dp, db1, db2 = (
-                t if want else None for t, want in zip((dx, dw1, dw2, dp, db1, db2), wanted)
-            )
+        dx, dw1, dw2, dp, db1, db2 = _backward_pass(
+            grad, ctx.saved_tensors, ctx.main_grads, ctx.call, grads
+        )
         masters = (dw1, dw2) if ctx.masters else (None, None)
         if ctx.masters:
             dw1 = dw2 = None
@@ -643,20 +661,20 @@ class _Plan:
 def _check_optional(name, t, shape, ref) -> None:
     if t is None:
         return
-    t = check_tensor(name, t)
+    t = v.check_tensor(name, t)
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    check_same_device(name, t, "x", ref)
-    check_dtype(name, t, FLOAT_DTYPES)
+    v.check_same_device(name, t, "x", ref)
+    v.check_dtype(name, t, v.FLOAT_DTYPES)
 
 
 def _check_weights(x, w1, w2, act: Activation) -> None:
-    check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
-    check_ndim("w2", w2, 3, "[E, H, F]")
+    v.check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
+    v.check_ndim("w2", w2, 3, "[E, H, F]")
     for name, w in (("w1", w1), ("w2", w2)):
         if w.dtype != x.dtype:
             raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
-        check_same_device(name, w, "x", x)
+        v.check_same_device(name, w, "x", x)
     H = x.shape[1]
     E, W1, H1 = w1.shape
     F_ = w2.shape[2]
@@ -718,22 +736,22 @@ def _main_grad(name: str, w: torch.Tensor) -> None:
             f"{name}.main_grad must be an fp32 tensor of {name}'s shape {tuple(w.shape)}, got "
             f"{getattr(mg, 'dtype', type(mg).__name__)} {tuple(getattr(mg, 'shape', ()))}"
         )
-    check_same_device(f"{name}.main_grad", mg, name, w)
+    v.check_same_device(f"{name}.main_grad", mg, name, w)
 
 
 def _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, recompute) -> _Plan:
     """Validate every input (clear errors) and decide how this configuration runs."""
-    x, w1, w2 = check_tensor("x", x), check_tensor("w1", w1), check_tensor("w2", w2)
-    check_ndim("x", x, 2, "[R, H]")
-    check_dtype("x", x, FLOAT_DTYPES)
+    x, w1, w2 = v.check_tensor("x", x), v.check_tensor("w1", w1), v.check_tensor("w2", w2)
+    v.check_ndim("x", x, 2, "[R, H]")
+    v.check_dtype("x", x, v.FLOAT_DTYPES)
     act = resolve_activation(activation)
     _check_weights(x, w1, w2, act)
     R, H = x.shape
     E, W1, _ = w1.shape
     _check_interleave(glu_interleave, act, w2.shape[2])
-    check_offsets(offsets, E, "x", x, "w1.shape[0]")
-    check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
-    check_interpretable("x", x)
+    v.check_offsets(offsets, E, "x", x, "w1.shape[0]")
+    v.check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
+    v.check_interpretable("x", x)
     _check_optional("probs", probs, (R,), x)
     _check_optional("b1", b1, (E, W1), x)
     _check_optional("b2", b2, (E, H), x)
@@ -745,26 +763,6 @@ def _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, re
     return _Plan(act, glu_interleave, bool(recompute), for_backward, reason)
 
 
-def _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
-    """The cache key of a CUDA call, or None (CPU, or input too odd to key: full checks).
-    Written out flat (no helper call per tensor): it runs on every call."""
-    try:
-        if not x.is_cuda:
-            return None
-        return (
-            "mlp_plan",
-            x.shape, x.stride(), x.dtype, x.device, x.requires_grad,
-            offsets.shape, offsets.stride(), offsets.dtype, offsets.device,
-            w1.shape, w1.stride(), w1.dtype, w1.device, w1.requires_grad,
-            w2.shape, w2.stride(), w2.dtype, w2.device, w2.requires_grad,
-            *(None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
-              for t in (probs, b1, b2, mg1, mg2)),
-            activation, interleave, recompute, torch.is_grad_enabled(),
-        )  # fmt: skip
-    except AttributeError:
-        return None
-
-
 def _kernel_layouts(x, offsets, w1, w2, probs, b1, b2) -> bool:
     """Whether the kernels read these inputs as they are (at aligned addresses): rows
     TMA-ready, offsets and probs contiguous."""
@@ -773,26 +771,15 @@ def _kernel_layouts(x, offsets, w1, w2, probs, b1, b2) -> bool:
 
 
 def _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute):
-    args = (x, offsets, w1, w2, probs, b1, b2, activation, interleave, recompute)
-    if torch.compiler.is_compiling():
-        return _make_plan(*args)
-    key = _plan_key(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, interleave, recompute)
-    if key is None:
-        return _make_plan(*args)
-
-    def make() -> _Plan:
-        plan = _make_plan(*args)
-        ready = _kernel_layouts(x, offsets, w1, w2, probs, b1, b2)
-        return dataclasses.replace(plan, uid=next(STATE.uids)) if ready else plan
-
-    try:
-        return cached(key, make)
-    except TypeError:
-        try:
-            hash(key)
-        except TypeError:  # an unhashable argument: the full checks say what is wrong
-            return _make_plan(*args)
-        raise
+    key = call_key(
+        "grouped_mlp", (x, offsets, w1, w2, probs, b1, b2, mg1, mg2),
+        (activation, interleave, recompute, torch.is_grad_enabled()),
+    )  # fmt: skip
+    return planned(
+        key,
+        lambda: _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, interleave, recompute),
+        lambda: _kernel_layouts(x, offsets, w1, w2, probs, b1, b2),
+    )
 
 
 def grouped_mlp(
@@ -906,19 +893,14 @@ def _grouped_mlp(
     )  # fmt: skip
     # values are checked per call (the plan is cached): on the host for CPU tensors, on the
     # device under MOEKIT_DEBUG=1
-    check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (R)")
+    v.check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (R)")
     reason = plan.unfused_reason
     if reason is None:
-        a = plan.act
         # one eager check for the whole call: the Function and its kernel ops skip theirs
         eager = eager_shortcut((x, offsets, w1, w2, probs, b1, b2, mg1, mg2, *masters))
-        call = _MLPCall(
-            a.name, a.limit, a.alpha, a.offset, plan.interleave or 0, plan.recompute,
-            plan.for_backward, plan.uid, eager, zero_tail,
-        )  # fmt: skip
+        call = _MLPCall.of(plan, eager, zero_tail, store_h=plan.for_backward)
         if not plan.for_backward:  # no gradient wanted (e.g. generation): no autograd node
-            run = _forward.impl if eager else _forward
-            return run(x, offsets, w1, w2, probs, b1, b2, **call.forward_kwargs())[0]
+            return _forward_pass(x, offsets, w1, w2, probs, b1, b2, call)[0]
         apply = _apply_grouped_mlp.direct if eager else _GroupedMLPFn.apply
         return apply(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, call, *masters)
     if reason:
@@ -932,124 +914,9 @@ def _grouped_mlp(
     return _grouped_mlp_unfused(x, offsets, w1, w2, probs, b1, b2, plan, mg1, mg2)
 
 
-def grouped_mlp_unsupported(
-    x: torch.Tensor, ffn_hidden_size: int, glu_interleave: int | None
-) -> str | None:
-    """Why :func:`grouped_mlp_forward` cannot run on tensors like ``x`` with this F and GLU
-    layout (None when it can): not a Triton device, or a layout the fused kernels do not
-    cover."""
+def fused_unsupported(x: torch.Tensor, ffn_hidden_size: int, glu_interleave: int | None):
+    """Why the fused passes cannot run on tensors like ``x`` with this F and GLU layout (None
+    when they can): not a Triton device, or a layout the fused kernels do not cover."""
     if not use_triton(x):
         return "needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)"
     return _fused_unsupported(x, ffn_hidden_size, glu_interleave)
-
-
-def grouped_mlp_plan(
-    x: torch.Tensor,
-    offsets: torch.Tensor,
-    w1: torch.Tensor,
-    w2: torch.Tensor,
-    probs: torch.Tensor | None = None,
-    *,
-    activation: str | Activation = "swiglu",
-    glu_interleave: int | None = None,
-    b1: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-) -> object:
-    """Validate a call of :func:`grouped_mlp_forward` (arguments as there) and return its
-    plan, an opaque object that :func:`grouped_mlp_forward` and :func:`grouped_mlp_backward`
-    take as ``plan=`` to skip validating the same call again. Raises ValueError for a
-    configuration only the unfused composition covers."""
-    mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
-    plan = _plan(x, offsets, w1, w2, probs, b1, b2, mg1, mg2, activation, glu_interleave, False)
-    check_offsets_values(offsets, x.shape[0], rows_what="x.shape[0] (R)")
-    if plan.unfused_reason is not None:
-        reason = plan.unfused_reason or "CPU tensors run the reference composition"
-        raise ValueError(f"the fused grouped MLP cannot run this call: {reason}")
-    return plan
-
-
-def grouped_mlp_forward(
-    x: torch.Tensor,  # [R, H]
-    offsets: torch.Tensor,  # [E]
-    w1: torch.Tensor,  # [E, 2F or F, H]
-    w2: torch.Tensor,  # [E, H, F]
-    probs: torch.Tensor | None = None,  # [R]
-    *,
-    activation: str | Activation = "swiglu",
-    glu_interleave: int | None = None,
-    b1: torch.Tensor | None = None,  # [E, 2F or F]
-    b2: torch.Tensor | None = None,  # [E, H]
-    store_h: bool = True,
-    plan: object | None = None,  # from grouped_mlp_plan for these arguments
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused forward of :func:`grouped_mlp` without autograd, for callers that run their
-    own backward (``moekit.fusion``): ``(y [R, H], h [R, 2F or F] pre-activation ([0, ·]
-    unless ``store_h``), a [R, F] = act(h) · probs)``. Inputs are validated as by
-    :func:`grouped_mlp` (or were, by :func:`grouped_mlp_plan`, when ``plan`` is given); a
-    configuration only the unfused composition covers raises ValueError (see
-    :func:`grouped_mlp_unsupported`)."""
-    if plan is None:
-        plan = grouped_mlp_plan(
-            x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
-            b1=b1, b2=b2,
-        )  # fmt: skip
-    a = plan.act
-    return _forward(
-        x, offsets, w1, w2, probs, b1, b2, act_name=a.name, limit=a.limit, alpha=a.alpha,
-        offset=a.offset, interleave=plan.interleave or 0, store_h=bool(store_h), zero_tail=True,
-        plan_uid=plan.uid,
-    )  # fmt: skip
-
-
-def grouped_mlp_backward(
-    dy: torch.Tensor,  # [R, H]
-    x: torch.Tensor,  # [R, H] the forward's input
-    offsets: torch.Tensor,  # [E]
-    w1: torch.Tensor,  # [E, 2F or F, H]
-    w2: torch.Tensor,  # [E, H, F]
-    probs: torch.Tensor | None,  # [R]
-    h: torch.Tensor,  # [R, 2F or F] from grouped_mlp_forward
-    a: torch.Tensor,  # [R, F] from grouped_mlp_forward
-    *,
-    activation: str | Activation = "swiglu",
-    glu_interleave: int | None = None,
-    b1: torch.Tensor | None = None,
-    b2: torch.Tensor | None = None,
-    needs: tuple[bool, bool, bool, bool, bool, bool] = (True,) * 6,
-    plan: object | None = None,  # from grouped_mlp_plan for the forward's arguments
-    weight_grad_dtype: torch.dtype | None = None,
-    bias_grad_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor | None, ...]:
-    """The fused backward matching :func:`grouped_mlp_forward`: ``(dx, dw1, dw2, dprobs,
-    db1, db2)`` for the gradients flagged in ``needs`` (same order), None elsewhere. A weight
-    with an fp32 ``main_grad`` gets its gradient added there (and None here).
-
-    ``weight_grad_dtype`` / ``bias_grad_dtype``: the dtype dw1 and dw2 / db1 and db2 are
-    written in (default: w1's / each bias's), e.g. fp32 for the fp32 parameters that
-    half-precision weights were cast from: written from the fp32 accumulators, one rounding."""
-    if plan is None:
-        plan = grouped_mlp_plan(
-            x, offsets, w1, w2, probs, activation=activation, glu_interleave=glu_interleave,
-            b1=b1, b2=b2,
-        )  # fmt: skip
-    act = plan.act
-    mg1, mg2 = getattr(w1, "main_grad", None), getattr(w2, "main_grad", None)
-    grad_dtypes = (
-        *(bias_grad_dtype or (b.dtype if b is not None else x.dtype) for b in (b1, b2)),
-        weight_grad_dtype or w1.dtype,
-    )
-    needs = [bool(n) for n in needs]
-    needs[4] = needs[4] and b1 is not None
-    needs[5] = needs[5] and b2 is not None
-    if probs is None:
-        needs[3] = False
-    b1_dtype, b2_dtype, w_dtype = grad_dtypes
-    out = _backward(
-        dy, x, offsets, w1, w2, probs, h, a, mg1, mg2, b1, act_name=act.name, limit=act.limit,
-        alpha=act.alpha, offset=act.offset, interleave=plan.interleave or 0, needs=needs,
-        b1_dtype=b1_dtype, b2_dtype=b2_dtype, w_dtype=w_dtype, release=False, dy_owned=False,
-        plan_uid=plan.uid, zero_tail=True,
-    )  # fmt: skip
-    wanted = (needs[0], needs[1] and mg1 is None, needs[2] and mg2 is None, *needs[3:])
-    # the custom op (not plain eager) returns an empty tensor for each gradient not computed
-    return tuple(t if want else None for t, want in zip(out, wanted))

@@ -9,7 +9,7 @@ by the routing probs. Both are differentiable w.r.t. the activations and the pro
 never reads anything back to the host (unless ``out_rows="exact"`` is asked for), so a whole MoE
 block can be captured in a CUDA graph. See docs/permute.md.
 
-Wrapping (:mod:`moekit.ops.custom_op`): the row copies are the kernel ops
+Wrapping (:mod:`moekit.runtime.op`): the row copies are the kernel ops
 ``moekit::permute_scatter`` and ``moekit::permute_gather`` (the metadata is
 ``moekit::routing_metadata``, in :mod:`moekit.ops.routing`); each picks the Triton kernels or the
 PyTorch reference by device. The autograd Functions call only those and torch ops, so the ops
@@ -27,7 +27,6 @@ import torch
 
 from moekit.config import debug_checks
 from moekit.kernels import permute as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.routing import (
     capacity_drop,
     expert_capacity,
@@ -49,6 +48,7 @@ from moekit.ops.validation import (
 )
 from moekit.reference.permute import gather_rows_torch, scatter_rows_torch
 from moekit.runtime.device import use_triton
+from moekit.runtime.op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.permute import copy_config
 
@@ -357,6 +357,17 @@ def _check_hidden(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def _check_vector(
+    name: str, t: object, shape_hint: str, dtypes: tuple[torch.dtype, ...], x: torch.Tensor
+) -> torch.Tensor:
+    """t: a 1-D tensor (``shape_hint``) of one of ``dtypes`` on x's device."""
+    t = check_tensor(name, t)
+    check_ndim(name, t, 1, shape_hint)
+    check_dtype(name, t, dtypes)
+    check_same_device(name, t, "x", x)
+    return t
+
+
 def _check_align(align: object) -> int:
     if align is None:
         return 1
@@ -637,21 +648,12 @@ def sort_chunks_by_index(
     validate = validate or debug_checks()
     x = _check_hidden("x", x)
     N = x.shape[0]
-    split_sizes = check_tensor("split_sizes", split_sizes)
-    sorted_index = check_tensor("sorted_index", sorted_index)
-    check_ndim("split_sizes", split_sizes, 1, "[C]")
-    check_ndim("sorted_index", sorted_index, 1, "[C]")
-    check_dtype("split_sizes", split_sizes, _INDEX_DTYPES)
-    check_dtype("sorted_index", sorted_index, _INDEX_DTYPES)
+    split_sizes = _check_vector("split_sizes", split_sizes, "[C]", _INDEX_DTYPES, x)
+    sorted_index = _check_vector("sorted_index", sorted_index, "[C]", _INDEX_DTYPES, x)
     check_dim_size("sorted_index", sorted_index, 0, split_sizes.shape[0], "len(split_sizes)")
-    check_same_device("split_sizes", split_sizes, "x", x)
-    check_same_device("sorted_index", sorted_index, "x", x)
     if probs is not None:
-        probs = check_tensor("probs", probs)
-        check_ndim("probs", probs, 1, "[N]")
+        probs = _check_vector("probs", probs, "[N]", FLOAT_DTYPES, x)
         check_dim_size("probs", probs, 0, N, "x.shape[0] (N)")
-        check_dtype("probs", probs, FLOAT_DTYPES)
-        check_same_device("probs", probs, "x", x)
         probs = probs.contiguous().view(N, 1)
     if validate:
         C = split_sizes.shape[0]

@@ -5,7 +5,7 @@
 ``normed = residual_out · rsqrt(mean(residual_out²) + eps) · weight``; fp32 inside.
 CUDA tensors run :mod:`moekit.kernels.rmsnorm`; CPU tensors the reference (or the kernel in
 Triton's interpreter with ``TRITON_INTERPRET=1``). The forward and backward are kernel ops
-(:mod:`moekit.ops.custom_op`), also used by the all-reduce ops.
+(:mod:`moekit.runtime.op`), also used by the all-reduce ops.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from moekit.kernels import rmsnorm as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_same_device, check_tensor
 from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
 from moekit.runtime.device import num_sms, use_triton
+from moekit.runtime.op import function_apply, kernel_op, needs_grad, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.allreduce import rmsnorm_bwd_grid, row_num_warps
 

@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 
 from moekit.kernels import router as kernels
-from moekit.ops.custom_op import function_apply, kernel_op, refuse_double_backward
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_ndim, check_tensor
 from moekit.reference.router import topk_routing_backward_ref, topk_routing_ref
 from moekit.runtime.device import use_triton
+from moekit.runtime.op import function_apply, kernel_op, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.router import router_config
 

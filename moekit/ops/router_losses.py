@@ -17,6 +17,16 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
+def _check_2d(
+    name: str, t: object, shape_hint: str, dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
+    """t: a 2-D tensor (``shape_hint``) of one of ``dtypes``."""
+    t = check_tensor(name, t)
+    check_ndim(name, t, 2, shape_hint)
+    check_dtype(name, t, dtypes)
+    return t
+
+
 __all__ = ["attach_loss", "check_grad_scale", "load_balancing_loss", "router_z_loss"]
 
 
@@ -28,12 +38,8 @@ def load_balancing_loss(
     ``E / (k·T²) · Σ_e count_e · Σ_t scores[t, e]``, where ``count_e`` is the number of tokens
     routed to expert e. It is 1.0 when tokens and scores are spread evenly; gradients flow to
     ``scores`` only."""
-    scores = check_tensor("scores", scores)
-    indices = check_tensor("indices", indices)
-    check_ndim("scores", scores, 2, "[T, E]")
-    check_ndim("indices", indices, 2, "[T, k]")
-    check_dtype("scores", scores, LOSS_DTYPES)
-    check_dtype("indices", indices, INDEX_DTYPES)
+    scores = _check_2d("scores", scores, "[T, E]", LOSS_DTYPES)
+    indices = _check_2d("indices", indices, "[T, k]", INDEX_DTYPES)
     T, E = scores.shape
     if indices.shape[0] != T:
         raise ValueError(
@@ -53,9 +59,7 @@ def load_balancing_loss(
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:  # scalar, fp32 (fp64 for fp64)
     """ST-MoE router z-loss: ``mean_t logsumexp(logits[t])²`` (keeps the logits small)."""
-    logits = check_tensor("logits", logits)
-    check_ndim("logits", logits, 2, "[T, E]")
-    check_dtype("logits", logits, LOSS_DTYPES)
+    logits = _check_2d("logits", logits, "[T, E]", LOSS_DTYPES)
     if logits.shape[0] == 0:
         return _acc(logits).sum() * 0.0
     return torch.logsumexp(_acc(logits), dim=-1).square().mean()

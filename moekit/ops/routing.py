@@ -14,8 +14,8 @@ import math
 import torch
 
 from moekit.kernels import permute as kernels
-from moekit.ops.custom_op import eager_shortcut, kernel_op
 from moekit.runtime.device import use_triton
+from moekit.runtime.op import eager_shortcut, kernel_op
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.permute import meta_config
 

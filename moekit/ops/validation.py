@@ -181,3 +181,26 @@ def check_expert_ids(
     torch._assert_async(
         ok, f"{name} must hold expert ids in [0, num_experts = {E}) or -1 (a dropped slot)"
     )
+
+
+def check_fp8_device(name: str, t: torch.Tensor, capability: tuple[int, int] = (8, 9)) -> None:
+    """FP8 (e4m3) kernels need a GPU of compute capability ``capability`` or newer (Ada,
+    Hopper); on an older one they cannot run, and moekit says so instead of running another
+    path."""
+    if not t.is_cuda:
+        return
+    have = torch.cuda.get_device_capability(t.device)
+    if have < capability:
+        raise RuntimeError(
+            f"{name} is on {t.device} ({torch.cuda.get_device_name(t.device)}, compute "
+            f"capability {have[0]}.{have[1]}): moekit's FP8 kernels need compute capability "
+            f"{capability[0]}.{capability[1]} or newer (Ada, Hopper)"
+        )
+
+
+def check_positive(**sizes: int) -> None:
+    """Sizes a module is built with (e.g. ``num_experts=...``) must be positive integers."""
+    if any(n < 1 for n in sizes.values()):
+        names = ", ".join(sizes)
+        got = ", ".join(str(n) for n in sizes.values())
+        raise ValueError(f"{names} must be positive, got {got}")

@@ -1,4 +1,4 @@
-"""Whether a call runs in plain eager mode, where ops may skip the dispatcher (ops/custom_op.py),
+"""Whether a call runs in plain eager mode, where ops may skip the dispatcher (moekit.runtime.op),
 and whether a backward may overwrite the gradient it was handed."""
 
 from __future__ import annotations

@@ -56,19 +56,13 @@ class State:
     warned: set[Hashable] = dataclasses.field(default_factory=set)
     # the functools caches of memoized pure functions
     memos: list[Any] = dataclasses.field(default_factory=list)
-    # parameter registrations seen since the first fusion.Sequential (its hook's handle);
-    # a counter that Sequentials compare against, so never reset
-    param_generation: int = 0
-    param_hook: Any = None
     # What clear() keeps: registrations and open contexts, not derived state.
     # the fusion rules by name, the rule overrides of open `fusions()` blocks, and a counter
     # bumped by every change of either (plans are keyed on it)
     fusion_rules: dict[str, Any] = dataclasses.field(default_factory=dict)
     fusion_overrides: list[tuple[frozenset, frozenset]] = dataclasses.field(default_factory=list)
     fusion_generation: int = 0
-    # id(slots) -> open fusion.Sequential parameter swaps over those slots
-    standing_in: dict[int, int] = dataclasses.field(default_factory=dict)
-    # inside `moekit.ops.custom_op.dispatcher_only()`: every op takes the dispatcher
+    # inside `moekit.runtime.op.dispatcher_only()`: every op takes the dispatcher
     dispatcher_only: bool = False
     # ids handed to plans that key cache entries: never reused, so never reset (a live plan
     # from before a clear() must not meet a new plan's entries)

@@ -327,6 +327,80 @@ def test_replaced_parameter_gets_the_gradient():
     assert all(p.grad is not None for p in seq.parameters())
 
 
+def test_parameter_registered_later_is_used():
+    """A parameter registered under a new name after the chain ran (a bias given to a Linear
+    built without one) is the one the next call computes with and differentiates."""
+    seq = mf.Sequential(mf.Linear(8, 8), mf.RMSNorm(8))
+    x = torch.randn(3, 8)
+    run(seq, "fused", x, (), output_grads(seq, x))
+    seq[0].bias = nn.Parameter(torch.randn(8))
+    dys = output_grads(seq, x)
+    compare(run(seq, "fused", x, (), dys), run(seq, "reference", x, (), dys), "added bias")
+    assert seq[0].bias.grad is not None
+
+
+class _Probe(mf.BasicOp):
+    """``y = x · weight``; records, per forward, whether ``self.weight`` was still the
+    registered Parameter and the dtype of the weight it was handed."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.seen: list = []
+
+    def op_forward(self, ctx, x, extras, params):
+        self.seen.append((type(self.weight) is nn.Parameter, params["weight"].dtype))
+        ctx.x = x
+        return x * params["weight"], None
+
+    def op_backward(self, ctx, dy, grads, params):
+        return dy * params["weight"], {}, {"weight": (dy * ctx.x).reshape(-1, dy.shape[-1]).sum(0)}
+
+    def reference(self, x, extras):
+        return x * self.weight, {}
+
+
+def test_parameters_are_handed_in_never_swapped():
+    """The ops compute with the tensors a call hands them (here per-call casts under
+    autocast) while their modules keep their own parameters registered."""
+    seq = mf.Sequential(_Probe(8))
+    x = torch.randn(3, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        seq(x).float().sum().backward()
+    seq(x).sum().backward()
+    assert seq[0].seen == [(True, torch.float16), (True, torch.float32)]
+    assert seq[0].weight.grad.dtype == torch.float32
+
+
+def test_gradient_for_an_unknown_parameter_raises():
+    class Wrong(_Probe):
+        def op_backward(self, ctx, dy, grads, params):
+            return dy, {}, {"wieght": dy.sum(0)}
+
+    seq = mf.Sequential(Wrong(4))
+    with pytest.raises(RuntimeError, match="'wieght', not one of its parameters"):
+        seq(torch.randn(2, 4, requires_grad=True)).sum().backward()
+
+
+def test_a_copy_computes_with_its_own_parameters():
+    """A deep copy of a chain that has run (plans cached) computes with the copy's
+    parameters, not the original's."""
+    seq = _norm_chain()
+    x, r = torch.randn(4, 16), torch.randn(4, H)
+    with fusions(disable=["add_rmsnorm"]):
+        seq(x.requires_grad_(), r)
+    seq(x, r)
+    twin = copy.deepcopy(seq)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(2)
+    for ctx in (fusions(disable=["add_rmsnorm"]), contextlib.nullcontext()):
+        with ctx:
+            got = twin(x, r)
+        for a, b in zip(got, twin.reference(x, r)):
+            assert_close(a, b, "copy")
+
+
 # --- extra inputs and outputs -------------------------------------------------------------------
 
 
@@ -635,9 +709,10 @@ def test_steps_with_autograd_forms_run_without_the_pipeline_node():
     assert_close(xg.grad, 2 * first, "second backward", tol=1e-6)
 
 
-def test_linear_with_main_grad_runs_through_the_pipeline_node():
+def test_linear_with_main_grad_runs_its_own_backward():
     """F.linear would leave the weight's gradient in .grad: a Linear whose weight carries a
-    main_grad makes the chain take the pipeline node, which adds it there."""
+    main_grad runs its own forward and backward (in a pipeline node), which add it there,
+    while add_rmsnorm after it still runs as moekit's op."""
     seq = _norm_chain()
     x, r = torch.randn(3, 16), torch.randn(3, H)
     dys = output_grads(seq, x, [r])
@@ -646,11 +721,14 @@ def test_linear_with_main_grad_runs_through_the_pipeline_node():
     w = seq[0].weight
     w.main_grad = torch.zeros_like(w, dtype=torch.float32)
     try:
-        y, ro = seq(x, r)
-        assert type(y.grad_fn).__name__ == "_PipelineFnBackward"
+        xl = x.clone().requires_grad_()
+        y, ro = seq(xl, r)
+        assert type(y.grad_fn).__name__ == "_AddRMSNormFnBackward"
         torch.autograd.backward([y, ro], dys)
         assert w.grad is None
         assert_close(w.main_grad, want["param 0.weight"], "main_grad")
+        assert_close(xl.grad, want["x"], "dx")
+        assert_close(seq[0].bias.grad, want["param 0.bias"], "bias grad")
     finally:
         del w.main_grad
         seq.zero_grad(set_to_none=True)
@@ -816,14 +894,14 @@ class _AddBiases(FusedOp):
         super().__init__(ops)
         self.tag, self.calls = tag, calls
 
-    def fuser_forward(self, ctxs, x, extras):
+    def fuser_forward(self, ctxs, x, extras, params):
         self.calls.append((self.tag, "forward"))
-        return x + (self.ops[0].bias + self.ops[1].bias), None
+        return x + (params[0]["bias"] + params[1]["bias"]), None
 
-    def fuser_backward(self, ctxs, dy, grads):
+    def fuser_backward(self, ctxs, dy, grads, params):
         self.calls.append((self.tag, "backward"))
         db = dy.reshape(-1, dy.shape[-1]).sum(0)
-        return dy, {}, ((db,), (db,))
+        return dy, {}, ({"bias": db}, {"bias": db})
 
 
 def _bias_rule(tag: str, calls: list, decline: str | None = None):
@@ -933,11 +1011,11 @@ def test_custom_rule_beats_builtin_only_with_higher_priority(add_rule):
     calls: list = []
 
     class Chained(FusedOp):
-        def fuser_forward(self, ctxs, x, extras):
+        def fuser_forward(self, ctxs, x, extras, params):
             calls.append("forward")
             made: dict = {}
-            for op, c in zip(self.ops, ctxs):
-                x, m = op.op_forward(c, x, {**extras, **made})
+            for op, c, p in zip(self.ops, ctxs, params):
+                x, m = op.op_forward(c, x, {**extras, **made}, p)
                 made.update(m or {})
             return x, made
 
@@ -959,13 +1037,12 @@ def test_backward_only_custom_rule(add_rule):
     calls: list = []
 
     class LinearBiasBackward(FusedOp):
-        def fuser_backward(self, ctxs, dy, grads):
+        def fuser_backward(self, ctxs, dy, grads, params):
             calls.append(("backward", ctxs[0].needs_input_grad))
-            lin = self.ops[0]
             x = ctxs[0].x  # left by Linear's own forward
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-            dx = dy @ lin.weight if ctxs[0].needs_input_grad else None
-            return dx, {}, ((dy2.t() @ x2,), (dy2.sum(0),))
+            dx = dy @ params[0]["weight"] if ctxs[0].needs_input_grad else None
+            return dx, {}, ({"weight": dy2.t() @ x2}, {"bias": dy2.sum(0)})
 
     add_rule(lambda ops, facts: LinearBiasBackward(ops), name="t_lin_bias_bwd",
              pattern=(mf.Linear, mf.Bias), passes=("backward",))  # fmt: skip
@@ -1088,11 +1165,11 @@ def test_an_extra_output_that_is_the_input_is_a_copy():
 
 
 def test_checkpointed_chain_under_autocast_keeps_its_parameters():
-    """Non-reentrant activation checkpointing recomputes the chain inside the pipeline node's
-    backward, while that backward's per-call casts stand in for the parameters: the recompute
-    casts the parameters afresh instead of taking the casts for its parameters (which kept
-    them alive after the step and planned later calls on their dtype), and the gradients
-    equal the plain call's."""
+    """Non-reentrant activation checkpointing recomputes the chain inside the backward of
+    the autograd nodes the chain made: the recompute computes with the registered parameters
+    cast afresh (nothing ever stands in for a parameter, so it cannot adopt a cast as one, keep
+    it alive after the step or plan later calls on its dtype), and the gradients equal the
+    plain call's."""
     import torch.utils.checkpoint as checkpoint
 
     torch.manual_seed(0)
@@ -1115,7 +1192,8 @@ def test_checkpointed_chain_under_autocast_keeps_its_parameters():
             y = checkpoint.checkpoint(c, xa, use_reentrant=False) if ckpt else c(xa)
         y.float().sum().backward()
         grads.append([xa.grad, *(p.grad for p in c.parameters())])
-    assert all(p is q for p, q in zip(chain._params, chain.parameters(), strict=True))
+    assert all(type(p) is nn.Parameter and p.dtype == torch.float32 for p in chain.parameters())
+    assert chain.plan().facts.dtype == torch.float32
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -1175,38 +1253,29 @@ def test_autocast_casts_the_parameters_per_call(name, path):
 
 
 @pytest.mark.skipif(not interpret_mode(), reason="the fused MLP on CPU needs TRITON_INTERPRET=1")
-@pytest.mark.parametrize("path", ["native", "pipeline"])
-def test_autocast_fused_mlp_writes_fp32_weight_gradients(path, monkeypatch):
+@pytest.mark.parametrize("path", ["alone", "with_pipeline_node"])
+def test_autocast_fused_mlp_writes_fp32_weight_gradients(path):
     """Under autocast the fused grouped MLP writes fp32 weights' gradients in fp32 from its
     fp32 accumulators (values an fp16 gradient cannot hold, within fp16 rounding of the
-    .half() chain's), whether its autograd form runs inside the region on the parameters
-    themselves (a chain of just the MLP: ``native``) or the pipeline node hands its backward
-    casts made outside autograd (``pipeline``); every other value and gradient equals the
-    .half() chain's."""
-    import moekit.fusion.rules.grouped_mlp as rule
-
+    .half() chain's): it runs inside the region on the registered parameters, whether it is
+    the whole chain or followed by ops that run as a pipeline node on per-call casts; every
+    other value and gradient equals the .half() chain's."""
     torch.manual_seed(0)
     R = 20
     ops = [mf.GroupedLinear(E, H, 2 * F_), mf.SwiGLU(), mf.GroupedLinear(E, F_, H)]
-    if path == "pipeline":
-        ops.append(mf.RMSNorm(H))  # RMSNorm alone has no autograd form: the pipeline node runs
+    if path == "with_pipeline_node":
+        ops.append(mf.RMSNorm(H))  # RMSNorm alone has no autograd form: a pipeline node runs
     chain = mf.Sequential(*ops)
     half = copy.deepcopy(chain).half()
     x = torch.randn(R, H)
     offsets = _offsets([5, 12, R])
-    backwards, run = [], rule.grouped_mlp_backward
-
-    def spy(*a, **k):
-        backwards.append(k["weight_grad_dtype"])
-        return run(*a, **k)
-
-    monkeypatch.setattr(rule, "grouped_mlp_backward", spy)
     xa = x.clone().requires_grad_()
     with torch.autocast("cpu", dtype=torch.float16):
         y = chain(xa, offsets)
     g = torch.randn_like(y)
     y.backward(g)
-    assert backwards == ([torch.float32] if path == "pipeline" else [])
+    if path == "with_pipeline_node":
+        assert type(y.grad_fn).__name__ == "_PipelineFnBackward"
     xh = x.half().requires_grad_()
     want = half(xh, offsets)
     want.backward(g)
@@ -1288,48 +1357,53 @@ def test_parameters_replaced_without_the_hook_are_the_ones_used(autocast):
     assert all(p.grad is None for p in chain.parameters())
 
 
-def test_autocast_casts_are_freed_by_the_backward():
-    """The per-call casts of a chain through the pipeline node go with its backward, not
-    with the output graph (which a training loop keeps until the next step)."""
+def _spy_casts(monkeypatch) -> list:
+    """(parameter, cast) for every cast the chains make under autocast from now on."""
+    import moekit.fusion.sequential as sequential
+
+    made, cast = [], sequential.autocast_weight
+
+    def spy(p, dtype, master=True):
+        out = cast(p, dtype, master)
+        made.append((p, out[0]))
+        return out
+
+    monkeypatch.setattr(sequential, "autocast_weight", spy)
+    return made
+
+
+def test_autocast_casts_are_freed_by_the_backward(monkeypatch):
+    """The per-call casts of a chain (here a pipeline node after F.linear) go with its
+    backward, not with the output graph (which a training loop keeps until the next step)."""
     import weakref
 
     chain = mf.Sequential(mf.Linear(64, 64), mf.Bias(64), mf.RMSNorm(64))
-    made = []
-    inputs = chain._autocast_inputs
-
-    def spy(*args, **kwargs):
-        out = inputs(*args, **kwargs)
-        made.extend(weakref.ref(t) for t in out[3] or ())
-        return out
-
-    chain._autocast_inputs = spy
+    made = _spy_casts(monkeypatch)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = chain(torch.randn(8, 64)).float().sum()
-    assert made
+    refs = [weakref.ref(c) for p, c in made if c is not p]
+    made.clear()
+    assert len(refs) == 3
     loss.backward()
     gc.collect()
-    assert [r for r in made if r() is not None] == []
+    assert [r for r in refs if r() is not None] == []
 
 
-def test_autocast_casts_a_tied_parameter_once():
+def test_autocast_casts_a_tied_parameter_once(monkeypatch):
+    """A parameter registered in two ops is cast once per call, and both ops compute with
+    that one cast."""
     a, b = mf.Linear(16, 16), mf.Linear(16, 16)
     b.weight = a.weight
     chain = mf.Sequential(a, mf.Bias(16), b)
-    seen = []
-    inputs = chain._autocast_inputs
-
-    def spy(*args, **kwargs):
-        out = inputs(*args, **kwargs)
-        if out[3] is not None:
-            seen.append(out[3])
-        return out
-
-    chain._autocast_inputs = spy
+    made = _spy_casts(monkeypatch)
+    used = []
+    for op in (a, b):
+        form = op.autograd_forward
+        op.autograd_forward = lambda x, e, p, f=form: (used.append(p["weight"]), f(x, e, p))[1]
     with torch.autocast("cpu", dtype=torch.float16):
         chain(torch.randn(3, 16)).float().sum().backward()
-    casts = seen[0]
-    tied = [c for c, p in zip(casts, chain._params) if p is a.weight]
-    assert len(tied) == 2 and tied[0] is tied[1]
+    assert sum(p is a.weight for p, _ in made) == 1
+    assert len(used) == 2 and used[0] is used[1] and used[0].dtype == torch.float16
 
 
 def test_outputs_in_the_input_shape_are_not_views():

@@ -109,13 +109,18 @@ def _worker_row_allreduce_norm(rank: int, store: str) -> None:
                 assert got.dtype == torch.float32, f"{what}: {name} is {got.dtype}"
                 assert_close(got, want, f"{what}: {name}", 5e-3)
         # both passes run the same steps, each with an autograd form (F.linear, then
-        # moekit.ops.allreduce_add_rmsnorm): no pipeline node; a main_grad brings it back
+        # moekit.ops.allreduce_add_rmsnorm): no pipeline node; a weight with a main_grad
+        # makes the Linear run its own backward (in a pipeline node), which adds into it
         x = x_full[..., cols].clone().requires_grad_()
         y, _ = seq(x, residual)
-        assert type(y.grad_fn).__name__ != "_PipelineFnBackward", y.grad_fn
+        nodes = {type(n).__name__ for n in (y.grad_fn, y.grad_fn.next_functions[0][0])}
+        assert "_PipelineFnBackward" not in nodes, nodes
+        seq.zero_grad(set_to_none=True)
         seq[0].weight.main_grad = torch.zeros_like(seq[0].weight)
-        y, _ = seq(x, residual)
-        assert type(y.grad_fn).__name__ == "_PipelineFnBackward", y.grad_fn
+        y, ro = seq(x, residual)
+        torch.autograd.backward([y, ro], dys)
+        assert seq[0].weight.grad is None
+        assert_close(seq[0].weight.main_grad, wd.grad[:, cols], f"rank {rank}: main_grad")
         del seq[0].weight.main_grad
         # a group of one rank: allreduce_add_rmsnorm declines and add_rmsnorm fuses the rest
         own = [dist.new_group([i]) for i in range(WORLD)][rank]  # every rank makes both

@@ -547,7 +547,7 @@ def test_gpu_plan_path_matches_the_checked_path():
     what the fully checked path gives (``validate=True`` skips the plan), also when a call of
     the same static layout arrives at a misaligned address (copied, not replayed), and with
     aligned and misaligned calls interleaved."""
-    from moekit.ops.custom_op import dispatcher_only
+    from moekit.runtime.op import dispatcher_only
 
     T, E, K, N = 1000, 8, 256, 384
     offsets = offsets_from_counts(_skewed_counts(T, E, None), "cuda")

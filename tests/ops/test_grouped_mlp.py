@@ -476,31 +476,32 @@ def test_gpu_replay_with_main_grad_and_misaligned_probs():
 
 
 def _gradients_in_asked_dtypes(device: str, dtype: torch.dtype, R: int, H: int, F: int) -> None:
-    """grouped_mlp_backward on one plan, asked for the weights' and the biases' gradients in
-    fp32 or not (as moekit.fusion asks for fp32 parameters cast under autocast), three calls
-    each (run, recorded, replayed on the GPU): every call writes its own dtypes, with the
-    values of the default call within its rounding, and dx / dprobs unchanged."""
-    from moekit.ops import grouped_mlp_backward, grouped_mlp_forward, grouped_mlp_plan
-
+    """One configuration whose backward writes the weights' gradients in x's dtype (weights in
+    it) or in fp32 (fp32 weights cast under autocast, which the backward writes in their dtype
+    itself), alternated, three calls each (run, recorded, replayed on the GPU): every call gets
+    its weights' dtype, with the values of the first call of its kind within rounding, and dx
+    and dprobs unchanged."""
     E = 4
     x, w1, w2, p, b1, b2 = _make(R, E, H, F, "swiglu", dtype, device, bias=True)
     offsets = _offsets(_skewed(R, E), device)
-    kw = dict(b1=b1, b2=b2, plan=grouped_mlp_plan(x, offsets, w1, w2, p, b1=b1, b2=b2))
-    _, h, a = grouped_mlp_forward(x, offsets, w1, w2, p, **kw)
     dy = torch.randn(R, H, device=device).to(dtype)
-    want = None
-    f32 = torch.float32
-    for asked in ({}, {"bias_grad_dtype": f32}, {"weight_grad_dtype": f32}, {},
-                  {"weight_grad_dtype": f32, "bias_grad_dtype": f32}):  # fmt: skip
+    masters = [w.detach().float().requires_grad_() for w in (w1, w2)]
+    want: dict[bool, tuple] = {}
+    for fp32 in (False, True, False, True):
         for _ in range(3):
-            got = grouped_mlp_backward(dy, x, offsets, w1, w2, p, h, a, **kw, **asked)
-            want = got if want is None else want
-            w_dt, b_dt = asked.get("weight_grad_dtype", dtype), asked.get("bias_grad_dtype", dtype)
-            assert [g.dtype for g in got] == [dtype, w_dt, w_dt, p.dtype, b_dt, b_dt], asked
-            for i in (0, 3):
-                torch.testing.assert_close(got[i], want[i], rtol=0, atol=0)
-            for i in (1, 2, 4, 5):
-                assert _rel(got[i], want[i]) < 1e-2, (asked, i, _rel(got[i], want[i]))
+            ws = masters if fp32 else (w1, w2)
+            region = torch.autocast(device, dtype=dtype, enabled=fp32)
+            with region:
+                y = grouped_mlp(x, offsets, *ws, p, b1=b1, b2=b2)
+            got = torch.autograd.grad(y, (x, p, *ws), dy)
+            want.setdefault(fp32, got)
+            assert [g.dtype for g in got[2:]] == [torch.float32 if fp32 else dtype] * 2
+            for i in (0, 1):
+                torch.testing.assert_close(got[i], want[False][i], rtol=0, atol=0)
+            for i in (2, 3):
+                assert _rel(got[i], want[fp32][i]) < 1e-2, (fp32, i, _rel(got[i], want[fp32][i]))
+    for i in (2, 3):  # the fp32 gradients are the half-precision ones before their rounding
+        assert _rel(want[True][i], want[False][i].float()) < 1e-2
 
 
 @pytest.mark.skipif(not interpret_mode(), reason="the fused kernels on CPU need TRITON_INTERPRET=1")

@@ -16,10 +16,10 @@ import torch
 
 from moekit.config import interpret_mode
 from moekit.ops import routing
-from moekit.ops.custom_op import dispatcher_only
 from moekit.ops.permute import Dispatch, permute, sort_chunks_by_index, unpermute
 from moekit.reference import permute as ref
 from moekit.runtime.cache import cache_clear, cache_entries
+from moekit.runtime.op import dispatcher_only
 from tests.reference.test_permute_reference import CASES, make_routing, naive_dispatch
 
 # The interpreter's scalar conversions warn under numpy >= 1.25; noise, not a finding.

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from moekit.nn.rmsnorm import RMSNorm
-from moekit.ops.custom_op import dispatcher_only
 from moekit.ops.rmsnorm import add_rmsnorm, add_rmsnorm_backward, add_rmsnorm_forward, rmsnorm
 from moekit.reference.rmsnorm import add_rmsnorm_bwd_ref, add_rmsnorm_ref
+from moekit.runtime.op import dispatcher_only
 
 # (T, H): T=1 (decode), odd H (column masking), a non-power-of-two H, a wider row
 SHAPES = [(1, 8), (5, 33), (16, 96), (3, 256)]

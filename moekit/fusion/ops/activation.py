@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from moekit.activations import Activation, apply_activation, resolve_activation
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 
 __all__ = ["Activate", "GeGLU", "ScaledGeGLU", "ScaledSwiGLU", "SwiGLU"]
 
@@ -67,13 +67,13 @@ class Activate(BasicOp):
                 f"{' whose half divides by glu_interleave' if inter else ''}, got {n}"
             )
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         self._check(x)
         probs = self.scale_of(x, extras)
         ctx.h, ctx.probs = x, probs
         return _activate(x, probs, self.activation, self.glu_interleave, x.dtype), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
         h, probs = ctx.h, ctx.probs
         with torch.enable_grad():
             hl = h.detach().requires_grad_()
@@ -82,7 +82,7 @@ class Activate(BasicOp):
             wrt = [hl] if pl is None else [hl, pl]
             got = torch.autograd.grad(a, wrt, dy.float())
         dh = got[0].to(h.dtype)
-        return dh, ({"probs": got[1].to(probs.dtype)} if pl is not None else {}), ()
+        return dh, ({"probs": got[1].to(probs.dtype)} if pl is not None else {}), {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         probs = self.scale_of(x, extras)

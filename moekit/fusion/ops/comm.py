@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 from moekit.ops.allreduce import ALGOS, allreduce
 
 __all__ = ["AllGather", "AllReduce", "ReduceScatter"]
@@ -32,11 +32,11 @@ class AllReduce(BasicOp):
             raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
         self.group, self.algo = group, algo
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         return allreduce(x.contiguous(), group=self.group, algo=self.algo), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        return dy, {}, ()
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        return dy, {}, {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         if _world(self.group) == 1:
@@ -77,59 +77,46 @@ def _gather(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class ReduceScatter(BasicOp):
+class _FirstDimCollective(BasicOp):
+    """A collective along the first dim whose backward is its adjoint: subclasses set
+    ``_collective`` (forward) and ``_adjoint`` (backward), both ``(x, group) -> tensor``."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        self.group = group
+
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
+        return self._collective(x, self.group), None
+
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        return self._adjoint(dy, self.group), {}, {}
+
+    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
+        return _AdjointRef.apply(x, self.group, self._collective, self._adjoint), {}
+
+
+class ReduceScatter(_FirstDimCollective):
     """Sum over ``group``, each rank keeping its 1/W slice of the first dim (sequence
     parallelism); backward all-gathers. Context: nothing."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.group = group
-
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        return _scatter(x, self.group), None
-
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        return _gather(dy, self.group), {}, ()
-
-    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
-        return _ScatterRef.apply(x, self.group), {}
+    _collective = staticmethod(_scatter)
+    _adjoint = staticmethod(_gather)
 
 
-class AllGather(BasicOp):
+class AllGather(_FirstDimCollective):
     """Concatenate every rank's ``x`` along the first dim; backward reduce-scatters.
     Context: nothing."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        super().__init__()
-        self.group = group
-
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        return _gather(x, self.group), None
-
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        return _scatter(dy, self.group), {}, ()
-
-    def reference(self, x: torch.Tensor, extras: dict) -> tuple:
-        return _GatherRef.apply(x, self.group), {}
+    _collective = staticmethod(_gather)
+    _adjoint = staticmethod(_scatter)
 
 
-class _ScatterRef(torch.autograd.Function):
+class _AdjointRef(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _scatter(x, group)
+    def forward(ctx, x, group, collective, adjoint):
+        ctx.group, ctx.adjoint = group, adjoint
+        return collective(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(g, ctx.group), None
-
-
-class _GatherRef(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _gather(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _scatter(g, ctx.group), None
+        return ctx.adjoint(g, ctx.group), None, None, None

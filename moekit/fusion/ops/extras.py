@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 
 __all__ = ["AddExtraInput", "MakeExtraOutput"]
 
@@ -35,11 +35,11 @@ class AddExtraInput(BasicOp):
             )
         return r
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         return x + self.other(x, extras), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        return dy, {self.name: dy}, ()
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        return dy, {self.name: dy}, {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         return x + extras[self.name], {}
@@ -56,12 +56,12 @@ class MakeExtraOutput(BasicOp):
         self.name = _check_name(name)
         self.extra_outputs = (self.name,)
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         return x, {self.name: x}
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
         g = grads.get(self.name)
-        return (dy if g is None else dy + g), {}, ()
+        return (dy if g is None else dy + g), {}, {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         return x, {self.name: x}

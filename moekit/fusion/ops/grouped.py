@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 from moekit.nn.grouped_linear import GroupedLinear as GroupedLinearModule
 from moekit.ops.grouped_gemm import grouped_mm, segment_sum_rows
 from moekit.ops.grouped_linear import grouped_linear
@@ -25,26 +25,25 @@ class GroupedLinear(BasicOp, GroupedLinearModule):
 
     extra_inputs = ("offsets",)
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         offsets = extras["offsets"]
         ctx.x, ctx.offsets = x, offsets
-        return grouped_linear(x, self.weight, offsets, self.bias), None
+        return grouped_linear(x, params["weight"], offsets, params.get("bias")), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        x, offsets, w = ctx.x, ctx.offsets, self.weight
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        x, offsets, w, b = ctx.x, ctx.offsets, params["weight"], params.get("bias")
         dy = dy.to(x.dtype).contiguous()
         dx = grouped_mm(dy, w, offsets) if ctx.needs_input_grad else None
-        dw = None
+        dw = db = None
         if w.requires_grad:
             mg = getattr(w, "main_grad", None)
             if mg is not None:
                 grouped_mm(dy.t(), x, offsets, out=mg, accumulate=True)
             else:
                 dw = grouped_mm(dy.t(), x, offsets)
-        if self.bias is None:
-            return dx, {}, (dw,)
-        db = segment_sum_rows(dy, offsets).to(self.bias.dtype) if self.bias.requires_grad else None
-        return dx, {}, (dw, db)
+        if b is not None and b.requires_grad:
+            db = segment_sum_rows(dy, offsets).to(b.dtype)
+        return dx, {}, {"weight": dw, "bias": db}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         w = self.weight.transpose(1, 2)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 
 __all__ = ["Bias", "Linear"]
 
@@ -94,20 +94,21 @@ class Linear(BasicOp):
             bound = 1 / math.sqrt(self.in_features)
             nn.init.uniform_(self.bias, -bound, bound)
 
-    def _check(self, x: torch.Tensor) -> None:
-        if x.shape[-1] != self.weight.shape[1]:
+    def _linear(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        w = params["weight"]
+        if x.shape[-1] != w.shape[1]:
             raise ValueError(
-                f"Linear: x.shape[-1] must be {self.weight.shape[1]} (in_features"
+                f"Linear: x.shape[-1] must be {w.shape[1]} (in_features"
                 f"{'/W' if self.mode == 'row' else ''}), got {x.shape[-1]}"
             )
+        return F.linear(x, w, params.get("bias"))
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        self._check(x)
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         ctx.x = x
-        return F.linear(x, self.weight, self.bias), None
+        return self._linear(x, params), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        x, w = ctx.x, self.weight
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        x, w, b = ctx.x, params["weight"], params.get("bias")
         dx = None
         if ctx.needs_input_grad:
             dx = dy @ w
@@ -116,18 +117,17 @@ class Linear(BasicOp):
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         dw = accumulate_weight_grad(w, dy2.t() @ x2) if w.requires_grad else None
         db = None
-        if self.bias is not None and self.bias.requires_grad:
-            db = dy2.sum(0, dtype=_acc_dtype(dy2)).to(self.bias.dtype)
-        return dx, {}, (dw, db) if self.bias is not None else (dw,)
+        if b is not None and b.requires_grad:
+            db = dy2.sum(0, dtype=_acc_dtype(dy2)).to(b.dtype)
+        return dx, {}, {"weight": dw, "bias": db}
 
-    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
-        self._check(x)
-        return F.linear(x, self.weight, self.bias), None
+    def autograd_forward(self, x: torch.Tensor, extras: dict, params: Params) -> tuple:
+        return self._linear(x, params), None
 
-    def autograd_ready(self) -> bool:
+    def autograd_ready(self, params: Params) -> bool:
         # F.linear's own backward: no tensor-parallel reduction of dx (a row-parallel Linear's
         # backward is local), no main_grad
-        if getattr(self.weight, "main_grad", None) is not None:
+        if getattr(params["weight"], "main_grad", None) is not None:
             return False
         return self.mode != "column" or _group_size_rank(self.group)[0] == 1
 
@@ -178,14 +178,14 @@ class Bias(BasicOp):
         """Zeros (its initialisation)."""
         nn.init.zeros_(self.bias)
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        return x + self.bias, None
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
+        return x + params["bias"], None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        db = None
-        if self.bias.requires_grad:
-            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=_acc_dtype(dy)).to(self.bias.dtype)
-        return dy, {}, (db,)
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        b, db = params["bias"], None
+        if b.requires_grad:
+            db = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=_acc_dtype(dy)).to(b.dtype)
+        return dy, {}, {"bias": db}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         return x + self.bias, {}

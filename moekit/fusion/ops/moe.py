@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from moekit.fusion.op import BasicOp, OpContext, RecordedGraph
+from moekit.fusion.op import BasicOp, OpContext, Params, RecordedGraph
 from moekit.nn.router import TopKRouter
 from moekit.ops.permute import Dispatch, DispatchConfig, permute, unpermute
 
@@ -35,20 +35,25 @@ class Router(BasicOp, TopKRouter):
         self.hidden_size = self.weight.shape[1]
         self.last_counts: torch.Tensor | None = None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x with the router's losses attached, probs, indices), differentiable."""
-        r = TopKRouter.forward(self, x)
-        self.last_counts = r.counts
-        return self.attach_losses(x.view_as(x), r), r.probs, r.indices
+    def route(
+        self, x: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x with the router's losses attached, probs, indices), differentiable:
+        :meth:`moekit.nn.TopKRouter.forward` on ``weight``, the tensor a call computes with
+        (default: the registered weight)."""
+        out = TopKRouter.forward(self, x, weight)
+        self.last_counts = out.counts
+        return self.attach_losses(x.view_as(x), out), out.probs, out.indices
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        ctx.graph = RecordedGraph(self.route, (x,), (self.weight,), ctx.saving)
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
+        w = params["weight"]
+        ctx.graph = RecordedGraph(lambda x: self.route(x, w), (x,), (w,), ctx.saving)
         y, probs, indices = ctx.graph.outputs
         return y, {"routing_probs": probs, "routing_indices": indices}
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
         (dx,), (dw,) = ctx.graph.backward((dy, grads.get("routing_probs"), None))
-        return dx, {}, (dw,)
+        return dx, {}, {"weight": dw}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         y, probs, indices = self.route(x)
@@ -78,7 +83,7 @@ class Permute(BasicOp):
             capacity_factor=self.dispatch.capacity_factor,
         )  # fmt: skip
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         indices = extras["routing_indices"]
         box: list[Dispatch] = []
 
@@ -90,9 +95,9 @@ class Permute(BasicOp):
         d = box[0]
         return d.hidden, {"offsets": d.offsets, "probs": d.probs, "dispatch": d}
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
         (dx, dprobs), _ = ctx.graph.backward((dy, grads.get("probs")))
-        return dx, {"routing_probs": dprobs}, ()
+        return dx, {"routing_probs": dprobs}, {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         d = self.permute(x, extras["routing_probs"], extras["routing_indices"])
@@ -123,7 +128,7 @@ class Unpermute(BasicOp):
             )
         return d
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         d = self._dispatch(extras)
 
         def run(x, probs):
@@ -134,9 +139,9 @@ class Unpermute(BasicOp):
         ctx.graph = RecordedGraph(run, (x, probs), (), ctx.saving)
         return ctx.graph.outputs[0], None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
         (dx, dprobs), _ = ctx.graph.backward((dy,))
-        return dx, ({"probs": dprobs} if self.weighted else {}), ()
+        return dx, ({"probs": dprobs} if self.weighted else {}), {}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         d = self._dispatch(extras)

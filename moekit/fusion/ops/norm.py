@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moekit.fusion.op import BasicOp, OpContext
+from moekit.fusion.op import BasicOp, OpContext, Params
 from moekit.nn.rmsnorm import RMSNorm as RMSNormModule
 from moekit.ops.rmsnorm import add_rmsnorm_backward, add_rmsnorm_forward, validate_norm_inputs
 
@@ -32,28 +32,29 @@ class RMSNorm(BasicOp, RMSNormModule):
 
     Context: ``x`` (the input as ``[T, H]`` rows) and ``rstd [T]`` fp32."""
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
-        x2 = rows(x)
-        validate_norm_inputs(x2, None, self.weight, self.eps)
-        y, _, rstd = add_rmsnorm_forward(x2, None, self.weight, self.eps, True)
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
+        x2, w = rows(x), params["weight"]
+        validate_norm_inputs(x2, None, w, self.eps)
+        y, _, rstd = add_rmsnorm_forward(x2, None, w, self.eps, True)
         ctx.x, ctx.rstd = x2, rstd
         return y.view(x.shape), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        return self.backward_with_residual(ctx, dy, None)
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        return self.backward_with_residual(ctx, dy, None, params)
 
     def backward_with_residual(
-        self, ctx: OpContext, dy: torch.Tensor, d_residual: torch.Tensor | None
+        self, ctx: OpContext, dy: torch.Tensor, d_residual: torch.Tensor | None, params: Params
     ) -> tuple:
         """The backward, plus the gradient ``d_residual`` of the norm's input taken elsewhere
         (e.g. a residual stream) added into dx in the same kernel."""
         if d_residual is not None and d_residual.dtype != dy.dtype:
             d_residual = d_residual.to(dy.dtype)
         d2 = None if d_residual is None else rows(d_residual)
-        dx, dw = add_rmsnorm_backward(rows(dy), d2, ctx.x, self.weight, ctx.rstd)
+        w = params["weight"]
+        dx, dw = add_rmsnorm_backward(rows(dy), d2, ctx.x, w, ctx.rstd)
         if dx.shape != dy.shape:
             dx = dx.view(dy.shape)
-        return dx, {}, (dw if self.weight.requires_grad else None,)
+        return dx, {}, {"weight": dw if w.requires_grad else None}
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         xf = x.float()
@@ -88,21 +89,21 @@ class LayerNorm(BasicOp):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, (self.hidden_size,), self.weight, self.bias, self.eps)
+    def _norm(self, x: torch.Tensor, params: Params) -> torch.Tensor:
+        w, b = params["weight"], params.get("bias")
+        return F.layer_norm(x, (self.hidden_size,), w, b, self.eps)
 
-    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict) -> tuple:
+    def op_forward(self, ctx: OpContext, x: torch.Tensor, extras: dict, params: Params) -> tuple:
         ctx.x = x
-        return self._norm(x), None
+        return self._norm(x, params), None
 
-    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict) -> tuple:
-        params = [p for p in self.parameters()]
+    def op_backward(self, ctx: OpContext, dy: torch.Tensor, grads: dict, params: Params) -> tuple:
+        # the parameters given may be casts (autocast): differentiate with respect to them
+        wrt = {k: p for k, p in params.items() if p is not None and p.requires_grad}
         with torch.enable_grad():
             xl = ctx.x.detach().requires_grad_()
-            wrt = [xl] + [p for p in params if p.requires_grad]
-            got = list(torch.autograd.grad(self._norm(xl), wrt, dy))
-        dx = got.pop(0)
-        return dx, {}, tuple(got.pop(0) if p.requires_grad else None for p in params)
+            got = torch.autograd.grad(self._norm(xl, params), [xl, *wrt.values()], dy)
+        return got[0], {}, dict(zip(wrt, got[1:]))
 
     def reference(self, x: torch.Tensor, extras: dict) -> tuple:
         xf = x.float()

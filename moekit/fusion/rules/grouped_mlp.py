@@ -1,22 +1,18 @@
 """Rule ``grouped_mlp``: GroupedLinear → Activate → GroupedLinear as the fused grouped MLP
-(:func:`moekit.ops.grouped_mlp_forward` / :func:`moekit.ops.grouped_mlp_backward`)."""
+(:func:`moekit.ops.grouped_mlp`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from moekit.fusion.op import Decline, FusedOp, OpContext, grad_dtype
+from moekit.fusion.op import Decline, FusedOp, Params
 from moekit.fusion.ops.activation import Activate
 from moekit.fusion.ops.grouped import GroupedLinear
 from moekit.fusion.plan import Facts
 from moekit.fusion.registry import register_fusion
-from moekit.ops.grouped_mlp import (
-    grouped_mlp,
-    grouped_mlp_backward,
-    grouped_mlp_forward,
-    grouped_mlp_plan,
-    grouped_mlp_unsupported,
-)
+from moekit.ops.grouped_mlp import fused_unsupported, grouped_mlp
 
 __all__ = ["FusedGroupedMLP", "grouped_mlp_rule"]
 
@@ -43,74 +39,32 @@ def mlp_unsupported(facts: Facts, fc1: GroupedLinear, act: Activate, fc2: Groupe
         return "needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)"
     if facts.ndim != 2:
         return f"the rows must be [R, H], got a {facts.ndim}-d input"
-    if fc1.weight.dtype != facts.dtype or fc2.weight.dtype != facts.dtype:
-        return f"weights are {fc1.weight.dtype}/{fc2.weight.dtype}, the input {facts.dtype}"
+    w1, w2 = facts.dtype_of(fc1.weight), facts.dtype_of(fc2.weight)
+    if w1 != facts.dtype or w2 != facts.dtype:
+        return f"weights are {w1}/{w2}, the input {facts.dtype}"
     if facts.device.type == "cpu" and facts.dtype == torch.bfloat16:
         return "bfloat16 under Triton's interpreter (its tl.dot is wrong there)"
     probe = torch.empty(0, dtype=facts.dtype, device=facts.device)
-    return grouped_mlp_unsupported(probe, fc2.in_features, act.glu_interleave)
+    return fused_unsupported(probe, fc2.in_features, act.glu_interleave)
 
 
 class FusedGroupedMLP(FusedOp):
-    """Forward: two launches (fc1 with the activation and prob scale in its epilogue, fc2),
-    leaving the three ops' contexts as their own forwards would. Backward: the fused grouped
-    MLP backward (five launches). A chain of just these three ops calls
-    :func:`moekit.ops.grouped_mlp` itself (``autograd_forward``)."""
+    """The window as :func:`moekit.ops.grouped_mlp`, the fused grouped MLP with its own
+    autograd: two launches forward (fc1 with the activation and prob scale in its epilogue,
+    fc2), five backward."""
 
-    autocast_native = True  # grouped_mlp casts x, the weights and biases as the chain would
+    # grouped_mlp casts x, the weights and biases inside an autocast region as the chain would,
+    # and writes fp32 weights' gradients in fp32 from its fp32 accumulators
+    autocast_native = True
 
-    def __init__(self, ops, store_h: bool) -> None:
-        super().__init__(ops)
-        self.store_h = store_h
-
-    def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: dict) -> tuple:
-        fc1, act, fc2 = self.ops
-        offsets = extras["offsets"]
-        probs = act.scale_of(x, extras)
-        kw = {"activation": act.activation, "glu_interleave": act.glu_interleave}
-        plan = grouped_mlp_plan(
-            x, offsets, fc1.weight, fc2.weight, probs, b1=fc1.bias, b2=fc2.bias, **kw
-        )
-        y, h, a = grouped_mlp_forward(
-            x, offsets, fc1.weight, fc2.weight, probs, b1=fc1.bias, b2=fc2.bias,
-            store_h=self.store_h, plan=plan, **kw,
-        )  # fmt: skip
-        ctxs[0].x, ctxs[0].offsets, ctxs[0].mlp_plan = x, offsets, plan
-        ctxs[1].h, ctxs[1].probs = h, probs
-        ctxs[2].x, ctxs[2].offsets = a, offsets
-        return y, None
-
-    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
-        fc1, act, fc2 = self.ops
+    def autograd_forward(self, x: torch.Tensor, extras: dict, params: Sequence[Params]) -> tuple:
+        (fc1, _, fc2), act = params, self.ops[1]
         y = grouped_mlp(
-            x, extras["offsets"], fc1.weight, fc2.weight, act.scale_of(x, extras),
-            activation=act.activation, glu_interleave=act.glu_interleave, b1=fc1.bias,
-            b2=fc2.bias,
+            x, extras["offsets"], fc1["weight"], fc2["weight"], act.scale_of(x, extras),
+            activation=act.activation, glu_interleave=act.glu_interleave, b1=fc1.get("bias"),
+            b2=fc2.get("bias"),
         )  # fmt: skip
         return y, None
-
-    def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: dict) -> tuple:
-        fc1, act, fc2 = self.ops
-        x, offsets = ctxs[0].x, ctxs[0].offsets
-        h, probs, a = ctxs[1].h, ctxs[1].probs, ctxs[2].x
-        b1, b2 = fc1.bias, fc2.bias
-        needs = (
-            ctxs[0].needs_input_grad, fc1.weight.requires_grad, fc2.weight.requires_grad,
-            probs is not None, b1 is not None and b1.requires_grad,
-            b2 is not None and b2.requires_grad,
-        )  # fmt: skip
-        # the parameters' own dtype where these are per-call casts (autocast), if one for all
-        w_dtype = grad_dtype(fc1.weight)
-        b_dtypes = {grad_dtype(b) for b in (b1, b2) if b is not None}
-        dx, dw1, dw2, dp, db1, db2 = grouped_mlp_backward(
-            dy, x, offsets, fc1.weight, fc2.weight, probs, h, a, activation=act.activation,
-            glu_interleave=act.glu_interleave, b1=b1, b2=b2, needs=needs,
-            plan=getattr(ctxs[0], "mlp_plan", None),
-            weight_grad_dtype=w_dtype if grad_dtype(fc2.weight) == w_dtype else None,
-            bias_grad_dtype=b_dtypes.pop() if len(b_dtypes) == 1 else None,
-        )  # fmt: skip
-        params = ((dw1,) if b1 is None else (dw1, db1), (), (dw2,) if b2 is None else (dw2, db2))
-        return dx, ({"probs": dp} if probs is not None else {}), params
 
 
 @register_fusion(name="grouped_mlp", pattern=(GroupedLinear, Activate, GroupedLinear))
@@ -119,4 +73,4 @@ def grouped_mlp_rule(ops, facts: Facts):
     reason = mlp_unsupported(facts, *ops)
     if reason:
         return Decline(reason)
-    return FusedGroupedMLP(ops, store_h=facts.requires_grad)
+    return FusedGroupedMLP(ops)

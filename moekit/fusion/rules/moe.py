@@ -9,9 +9,11 @@ after an unscaled activation) gets the same result this way as long as fc2 has n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from moekit.fusion.op import Decline, FusedOp, OpContext, RecordedGraph
+from moekit.fusion.op import Decline, FusedOp, Params
 from moekit.fusion.ops.activation import Activate
 from moekit.fusion.ops.grouped import GroupedLinear
 from moekit.fusion.ops.moe import Permute, Router, Unpermute
@@ -26,9 +28,10 @@ __all__ = ["FusedMoE"]
 
 
 class FusedMoE(FusedOp):
-    """Runs both passes of its window; its state is the recorded graph in the first context.
-    A chain of just these six ops runs :meth:`run` under autograd itself (``autograd_forward``),
-    as :class:`moekit.nn.MoELayer` does. The routing and dispatch extras stay inside it."""
+    """The window as :class:`moekit.nn.MoELayer` runs it, under autograd: the router's
+    :meth:`~moekit.fusion.Router.route`, then :func:`moekit.nn.moe.routed_experts` with
+    :func:`moekit.ops.grouped_mlp` as the experts. The routing and dispatch extras stay
+    inside it."""
 
     makes_extras = False
 
@@ -36,14 +39,16 @@ class FusedMoE(FusedOp):
         super().__init__(ops)
         self.use_probs = use_probs
 
-    def run(self, x: torch.Tensor) -> tuple[torch.Tensor]:
-        router, permute, fc1, act, fc2, _ = self.ops
-        y, probs, indices = router.route(x)  # y: x with the router's losses attached
+    def autograd_forward(self, x: torch.Tensor, extras: dict, params: Sequence[Params]) -> tuple:
+        router, permute, _, act, _, _ = self.ops
+        fc1, fc2 = params[2], params[4]
+        y, probs, indices = router.route(x, params[0]["weight"])  # y: x with the losses on
 
         def experts(rows, offsets, row_probs):
             return grouped_mlp(
-                rows, offsets, fc1.weight, fc2.weight, row_probs, activation=act.activation,
-                glu_interleave=act.glu_interleave, b1=fc1.bias, b2=fc2.bias,
+                rows, offsets, fc1["weight"], fc2["weight"], row_probs,
+                activation=act.activation, glu_interleave=act.glu_interleave,
+                b1=fc1.get("bias"), b2=fc2.get("bias"),
             )  # fmt: skip
 
         route = RouterOutput(probs, indices, router.last_counts, None, None)
@@ -51,24 +56,7 @@ class FusedMoE(FusedOp):
             y, route, experts, num_experts=permute.num_experts, dispatch=permute.dispatch,
             scale_by_probs=self.use_probs,
         )  # fmt: skip
-        return (out,)
-
-    def autograd_forward(self, x: torch.Tensor, extras: dict) -> tuple:
-        return self.run(x)[0], None
-
-    def fuser_forward(self, ctxs: list[OpContext], x: torch.Tensor, extras: dict) -> tuple:
-        params = [p for op in self.ops for p in op.parameters()]
-        ctxs[0].graph = RecordedGraph(self.run, (x,), params, ctxs[0].saving)
-        return ctxs[0].graph.outputs[0], None
-
-    def fuser_backward(self, ctxs: list[OpContext], dy: torch.Tensor, grads: dict) -> tuple:
-        (dx,), pgrads = ctxs[0].graph.backward((dy,))
-        per_op, i = [], 0
-        for op in self.ops:
-            n = len(list(op.parameters()))
-            per_op.append(pgrads[i : i + n])
-            i += n
-        return dx, {}, per_op
+        return out, None
 
 
 @register_fusion(

@@ -1,4 +1,4 @@
-"""The one way ops are wrapped (moekit.ops.custom_op): the eager shortcuts give what the normal
+"""The op base (moekit.runtime.op): the eager shortcuts give what the normal
 path gives, and every op's shortcut path matches its dispatcher path (values and gradients)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moekit.ops import grouped_linear, grouped_mlp, grouped_mm
-from moekit.ops.custom_op import dispatcher_only, function_apply, kernel_op
 from moekit.runtime.eager import owned_gradient
+from moekit.runtime.op import dispatcher_only, function_apply, kernel_op
 
 
 class _Scale(torch.autograd.Function):

@@ -1,20 +1,25 @@
-"""How every moekit op is wrapped: kernel ops under an autograd Function.
+"""The op base: how every moekit op is built, the same way.
 
-1. **Kernel ops** (:func:`kernel_op`): the non-differentiable work of an op (validation done,
-   kernels launched or the reference run) registered as a ``torch.library`` custom op
-   ``moekit::<name>`` with a fake implementation, so ``torch.compile(fullgraph=True)``,
-   ``FakeTensorMode`` and other tracers see one opaque node with known output shapes.
-2. **The autograd Function** of the op, whose ``forward`` and ``backward`` call kernel ops and
+1. **Validate** the arguments (clear errors, ``moekit.ops.validation``).
+2. **Plan**: what validation decided for one static configuration (shapes, strides, dtypes,
+   devices, options) is cached under :func:`call_key` by :func:`planned`, so later calls of
+   that configuration skip validation. A plan whose layouts the kernels read as given gets a
+   ``uid``, which keys its launch replay (:mod:`moekit.runtime.replay`, the one launch path).
+3. **Kernel ops** (:func:`kernel_op`): the non-differentiable work (kernels launched or the
+   reference run) registered as a ``torch.library`` custom op ``moekit::<name>`` with a fake
+   implementation, so ``torch.compile(fullgraph=True)``, ``FakeTensorMode`` and other tracers
+   see one opaque node with known output shapes.
+4. **The autograd Function** of the op, whose ``forward`` and ``backward`` call kernel ops and
    nothing else that touches tensors' memory, applied through :func:`function_apply`. Dynamo
    traces such a Function into the graph, kernel ops and all.
 
-Host time: in plain eager mode (``moekit.runtime.eager.plain_eager``: no compile tracing, no
-functorch transform, no dispatch mode, no tensor subclass) a kernel op calls its
-implementation directly instead of going through the dispatcher, and ``function_apply`` calls
-the C++ ``Function.apply`` directly instead of its Python wrapper (which checks for
-``setup_context``, asks whether functorch transforms are active and rebuilds the argument
-tuple). Both shortcuts skip only what plain eager mode does not need; everything else takes
-the normal path. ``dispatcher_only()`` forces the normal path, which the tests compare against.
+The host-time mechanism on top of the plain path is one: in plain eager mode
+(:func:`moekit.runtime.eager.plain_eager`: no compile tracing, no functorch transform, no
+dispatch mode, no tensor subclass) a kernel op calls its implementation directly instead of
+going through the dispatcher, ``function_apply`` calls the C++ ``Function.apply`` directly
+instead of its Python wrapper, and the kernel ops replay their recorded launches. Each skips
+only what plain eager mode does not need. ``dispatcher_only()`` forces the normal path, which
+the tests compare every op against.
 
 Each shortcut checks :func:`eager_shortcut` on its own arguments. An op that has checked it
 once for the whole call (all its tensors) may take the shortcuts without asking again:
@@ -25,22 +30,29 @@ apply.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
+from moekit.runtime.cache import cached
 from moekit.runtime.eager import plain_eager
 from moekit.runtime.state import STATE
 
 __all__ = [
+    "call_key",
     "dispatcher_only",
     "eager_shortcut",
     "function_apply",
     "kernel_op",
     "needs_grad",
+    "planned",
     "refuse_double_backward",
 ]
+
+P = TypeVar("P")
 
 
 @contextlib.contextmanager
@@ -141,3 +153,47 @@ def function_apply(fn: type[torch.autograd.Function]) -> Callable:
 
     apply.direct = c_apply
     return apply
+
+
+def call_key(op: str, tensors: Sequence[torch.Tensor | None], options: tuple) -> tuple | None:
+    """The plan key of a CUDA call: the op, each tensor's static facts (shape, strides, dtype,
+    device, whether it requires a gradient; None stays None) and the non-tensor ``options``.
+    None for a call on CPU tensors (validated every time: its values are checked on the host
+    anyway) and for an argument that is not a tensor (the full checks then say what is wrong).
+    Runs on every call: a plain loop."""
+    try:
+        if not tensors[0].is_cuda:
+            return None
+        facts: list[Any] = [op]
+        for t in tensors:
+            if t is None:
+                facts.append(None)
+            else:
+                facts.append((t.shape, t.stride(), t.dtype, t.device, t.requires_grad))
+        facts.extend(options)
+        return tuple(facts)
+    except AttributeError:
+        return None
+
+
+def planned(key: tuple | None, build: Callable[[], P], ready: Callable[[], bool]) -> P:
+    """The plan of a call: ``build()`` validates and decides (a frozen dataclass with a ``uid``
+    field), cached under ``key`` (from :func:`call_key`; None: not cached). A cached plan whose
+    inputs' layouts the kernels read as given (``ready()``) gets a ``uid`` of its own, which
+    keys its launch replay; otherwise ``uid`` stays 0 and the launches check layouts per call.
+    Not cached while ``torch.compile`` traces (each trace validates afresh)."""
+    if key is None or torch.compiler.is_compiling():
+        return build()
+
+    def make() -> P:
+        plan = build()
+        return dataclasses.replace(plan, uid=next(STATE.uids)) if ready() else plan
+
+    try:
+        return cached(key, make)
+    except TypeError:
+        try:
+            hash(key)
+        except TypeError:  # an unhashable option: the full checks say what is wrong
+            return build()
+        raise

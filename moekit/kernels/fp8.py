@@ -1,0 +1,103 @@
+"""Blockwise e4m3 quantization (the math: :mod:`moekit.reference.fp8`).
+
+One program quantizes one [BLOCK_M, BLOCK_K] tile of a [B, M, K] tensor and writes its scales:
+per row of the tile (``axis="row"``: 1×BLOCK_K blocks), per column (``"col"``: BLOCK_M×1) or
+one for the tile (``"both"``: BLOCK_M×BLOCK_K), the block size being the tile's side.
+
+Rounding to e4m3 is done in fp32 arithmetic first (round to nearest even at the value's e4m3
+spacing), so the conversion itself only meets representable values: Triton's CPU interpreter
+loses the carry when a conversion rounds up into the next binade, and exact values sidestep
+that on every path. The bytes are written through a uint8 view, NaN as e4m3's 0x7F.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moekit.runtime.replay import launch
+from moekit.tuning.fp8 import QuantizeConfig
+
+__all__ = ["quantize_fp8"]
+
+
+@triton.jit
+def _e4m3_byte(q):
+    """The e4m3 byte of q (fp32, |q| ≤ 448), rounded to nearest, ties to even: the spacing is
+    2^(e - 3) in a binade 2^e with e ≥ -6, and 2^-9 below (subnormals). The magnitude is
+    rounded in fp32 and converted exactly; the sign bit is set by hand (-0 included, which
+    Triton's interpreter drops in the conversion)."""
+    bits = q.to(tl.int32, bitcast=True)
+    exp = (bits >> 23) & 0xFF  # biased fp32 exponent
+    ulp = ((tl.maximum(exp, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
+    t = tl.abs(q) / ulp  # exact: a power of two
+    r = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: fp32 adds round to an integer
+    byte = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    return byte | tl.where(bits < 0, 0x80, 0).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_fp8_kernel(
+    x_ptr, q_ptr, s_ptr,  # pointers: x [B, M, K], q [B, M, K] uint8 (e4m3 bytes), s fp32
+    M, K,  # sizes
+    stride_x_b, stride_x_m, stride_x_k,  # strides (elements)
+    stride_q_b, stride_q_m, stride_q_k,
+    stride_s_b, stride_s_m, stride_s_k,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,  # meta: the tile
+    PER_ROW: tl.constexpr, PER_COL: tl.constexpr,  # a scale per tile row / per tile column
+    POW2: tl.constexpr,  # scales rounded up to powers of two
+):  # fmt: skip
+    """scale = amax/448 over each block (NaN left out, 1 for an all-zero block); q = e4m3(x /
+    scale). The scale of row m, tile column kb lives at s[b, m, kb] (PER_ROW); of tile row mb,
+    column k at s[b, mb, k] (PER_COL); of the tile at s[b, mb, kb]."""
+    pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    xp = x_ptr + b * stride_x_b + rows[:, None] * stride_x_m + cols[None, :] * stride_x_k
+    x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    mag = tl.where(x == x, tl.abs(x), 0.0)
+    if not PER_ROW:  # one scale per column or per tile: reduce over the rows
+        mag = tl.max(mag, axis=0, keep_dims=True)  # [1, BLOCK_K]
+    if not PER_COL:
+        mag = tl.max(mag, axis=1, keep_dims=True)  # [BLOCK_M or 1, 1]
+    scale = tl.where(mag > 0, tl.math.div_rn(mag, 448.0), 1.0)
+    if POW2:
+        sb = scale.to(tl.int32, bitcast=True)
+        up = (sb & 0x7F800000) + (1 << 23)
+        scale = tl.where((sb & 0x7FFFFF) != 0, up, sb).to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(x, scale)  # NaN for a NaN entry and for inf / inf
+    byte = tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
+    qp = q_ptr + b * stride_q_b + rows[:, None] * stride_q_m + cols[None, :] * stride_q_k
+    tl.store(qp, byte, mask=mask)
+    sp = s_ptr + b * stride_s_b
+    if PER_ROW:
+        sp += rows[:, None] * stride_s_m + pid_k * stride_s_k
+        smask = rows[:, None] < M
+    elif PER_COL:
+        sp += pid_m * stride_s_m + cols[None, :] * stride_s_k
+        smask = cols[None, :] < K
+    else:  # a [1, 1] block of pointers, the shape of the tile's one scale
+        sp += pid_m * stride_s_m + pid_k * stride_s_k + tl.zeros([1, 1], dtype=tl.int64)
+        smask = None
+    tl.store(sp, scale, mask=smask)
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # [B, M, K] bf16 / fp16 / fp32, any strides
+    data: torch.Tensor,  # [B, M, K] uint8 view of the e4m3 output
+    scale: torch.Tensor,  # [B, M, ⌈K/BK⌉] per row, [B, ⌈M/BM⌉, K] per col, else [B, ⌈M/BM⌉, ⌈K/BK⌉]
+    per_row: bool,
+    per_col: bool,
+    pow2: bool,
+    cfg: QuantizeConfig,
+) -> None:
+    """Launch the quantization of x into ``data`` and ``scale`` (tile sides from ``cfg``)."""
+    B, M, K = x.shape
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k), B)
+    launch(
+        _quantize_fp8_kernel, grid, x, data, scale, M, K, *x.stride(), *data.stride(),
+        *scale.stride(), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PER_ROW=per_row,
+        PER_COL=per_col, POW2=pow2, num_warps=cfg.num_warps,
+    )  # fmt: skip

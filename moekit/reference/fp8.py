@@ -1,0 +1,110 @@
+"""Pure-PyTorch twin of :mod:`moekit.kernels.fp8`: blockwise e4m3 quantization, the test oracle
+and the CPU path.
+
+A block of ``x`` (1×B along the last dim for ``axis="row"``, B×1 along dim -2 for ``"col"``,
+B×B over the last two dims for ``"both"``; partial blocks at the edges) gets one fp32 scale,
+the dequantization factor::
+
+    amax  = max |x| over the block, NaN entries left out
+    scale = amax / 448            (1 where amax is 0; the next power of two up with pow2)
+    data  = e4m3(clamp(x / scale, -448, 448))     round to nearest even; x ≈ data · scale
+
+The kernel computes exactly this (IEEE division, one rounding), so the two agree bit for bit.
+Non-finite input: a NaN entry quantizes to NaN; an inf entry makes its block's scale inf, so
+its finite entries quantize to 0 and the inf entries to NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E4M3_MAX",
+    "dequantize_fp8_ref",
+    "pow2_up",
+    "quantize_fp8_ref",
+    "round_e4m3",
+    "scale_shape",
+]
+
+E4M3_MAX = 448.0
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], axis: str, block: int) -> tuple[int, ...]:
+    """The scale tensor's shape for data of ``shape``: row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K],
+    both [..., ⌈M/B⌉, ⌈K/B⌉]."""
+    *lead, K = shape
+    nk = -(-K // block)
+    if axis == "row":
+        return (*lead, nk)
+    *lead, M = lead
+    nm = -(-M // block)
+    return (*lead, nm, K) if axis == "col" else (*lead, nm, nk)
+
+
+def pow2_up(s: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two ≥ each positive fp32 ``s`` (inf stays inf), by its bits."""
+    bits = s.view(torch.int32)
+    up = (bits & 0x7F800000) + (1 << 23)
+    return torch.where((bits & 0x7FFFFF) != 0, up, bits).view(torch.float32)
+
+
+def round_e4m3(q: torch.Tensor) -> torch.Tensor:
+    """fp32 ``q`` (|q| ≤ 448) rounded to the nearest e4m3 value, ties to even, still in fp32:
+    the spacing is 2^(e - 3) in a binade 2^e with e ≥ -6 and 2^-9 below. Done here rather than
+    by torch's float8 cast, which on the CPU rounds twice (183.99998 became 192, not 176); the
+    cast then only meets representable values, which every path converts exactly."""
+    exp = (q.view(torch.int32) >> 23) & 0xFF  # biased fp32 exponent
+    ulp = ((exp.clamp_min(127 - 6) - 3) << 23).view(torch.float32)
+    return torch.round(q / ulp) * ulp  # q / ulp is exact: a power of two
+
+
+def _blocks(x: torch.Tensor, axis: str, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x as fp32 [..., nm, bm, nk, bk] zero-padded to whole blocks, and (M, K)."""
+    x = x.float()
+    if axis == "row":
+        x = x.unsqueeze(-2)
+    M, K = x.shape[-2:]
+    bm = 1 if axis == "row" else block
+    bk = 1 if axis == "col" else block
+    pm, pk = -M % bm, -K % bk
+    x = torch.nn.functional.pad(x, (0, pk, 0, pm))
+    lead = x.shape[:-2]
+    return x.reshape(*lead, (M + pm) // bm, bm, (K + pk) // bk, bk), (M, K)
+
+
+def quantize_fp8_ref(
+    x: torch.Tensor,  # [..., K] (row) or [..., M, K] (col, both); bf16 / fp16 / fp32
+    axis: str,
+    block: int,
+    pow2_scale: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(data, scale)``: data e4m3 of x's shape, scale fp32 of :func:`scale_shape`."""
+    xb, (M, K) = _blocks(x, axis, block)
+    mag = torch.where(xb.isnan(), 0.0, xb.abs())
+    amax = mag.amax(dim=(-3, -1), keepdim=True)
+    # tensor / tensor: an IEEE division on every device (a CUDA tensor divided by a Python
+    # number is multiplied by its rounded reciprocal instead)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), 1.0)
+    if pow2_scale:
+        scale = pow2_up(scale)
+    q = round_e4m3((xb / scale).clamp(-E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn)
+    lead = xb.shape[:-4]
+    rows, cols = xb.shape[-4] * xb.shape[-3], xb.shape[-2] * xb.shape[-1]
+    data = q.reshape(*lead, rows, cols)[..., :M, :K]
+    scale = scale.squeeze(-1).squeeze(-2)  # [..., nm, nk]
+    if axis == "row":
+        data, scale = data.squeeze(-2), scale.squeeze(-2)
+    return data.contiguous(), scale.contiguous()
+
+
+def dequantize_fp8_ref(
+    data: torch.Tensor, scale: torch.Tensor, axis: str, block: int
+) -> torch.Tensor:
+    """``data · scale`` in fp32, each scale spread over its block."""
+    s = scale
+    if axis in ("row", "both"):
+        s = s.repeat_interleave(block, dim=-1)[..., : data.shape[-1]]
+    if axis in ("col", "both"):
+        s = s.repeat_interleave(block, dim=-2)[..., : data.shape[-2], :]
+    return data.float() * s
