@@ -1,13 +1,16 @@
-"""FP8 blockwise quantization: moekit's kernel against the torch composition and the copy rate.
+"""FP8 blockwise: quantization against the copy rate, the grouped GEMM against bf16 and torch.
 
     python benchmarks/benchmark_fp8.py --out bench_out [--smoke]
 
-Per tensor of an MoE layer (activations and output gradients 1×128 along the hidden size, the
-wgrad operands 128×1 along the tokens, the experts' weights 128×128), bf16 in: moekit's
-``quantize_fp8`` and the same math in eager torch (the reference), do_bench medians, in GB/s
-of bytes that must move (read x, write the e4m3 data and the scales) against this run's device
-copy rate (the ceiling). The FP8 grouped GEMM is not built yet: its ceiling figures are in
-docs/fp8.md (experiments/fp8_gemm_probe.py).
+Quantization, per tensor of an MoE layer (activations and output gradients 1×128 along the
+hidden size, the wgrad operands 128×1 along the tokens, the experts' weights 128×128), bf16
+in: moekit's ``quantize_fp8`` and the same math in eager torch, in GB/s of the bytes that must
+move (read x, write the e4m3 data and the scales) against this run's device copy rate.
+
+Grouped GEMM, ragged M (fc1 of each layer, uniform routing over 128-row segments), TFLOP/s:
+moekit's blockwise FP8 ``grouped_mm_fp8``, moekit's bf16 ``grouped_mm``, torch's rowwise FP8
+``torch._scaled_grouped_mm``; the ceiling is dense FP8 rowwise ``torch._scaled_mm`` at 8192³.
+do_bench medians throughout.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from functools import partial
 import common as bc
 import torch
 
-from moekit.ops import quantize_fp8
+from moekit.ops import grouped_mm, quantize_fp8
+from moekit.ops.fp8 import grouped_mm_fp8
 from moekit.reference.fp8 import quantize_fp8_ref, scale_shape
 
 # name: (shape, axis)
@@ -31,6 +35,11 @@ SHAPES = {
     "dsv3 w1 [32, 4096, 7168] both": ((32, 4096, 7168), "both"),
 }
 SMOKE_SHAPES = {"smoke row": ((96, 160), "row"), "smoke both": ((2, 96, 160), "both")}
+GEMM_SHAPES = {  # name: (rows, E, K, N)
+    "qwen3_30b_a3b fc1": (65536, 128, 2048, 1536), "olmoe fc1": (32768, 64, 2048, 2048),
+    "deepseek_v3_ep8 fc1": (32768, 32, 7168, 4096), "mixtral fc1": (16384, 8, 4096, 28672),
+}  # fmt: skip
+GEMM_SMOKE = {"smoke gemm": (256, 2, 256, 128)}
 
 
 def run_shape(name: str, spec: tuple, cuda: bool, device, copy_gbs: float) -> dict:
@@ -52,6 +61,42 @@ def run_shape(name: str, spec: tuple, cuda: bool, device, copy_gbs: float) -> di
     return bc.ratios(res, "us", {"speedup_vs_torch": ("torch", "moekit")})
 
 
+def run_gemm(name: str, spec: tuple, cuda: bool, device, dense_tflops: float) -> dict:
+    T, E, K, N = spec
+    offsets = torch.full((E,), T // E, device=device).cumsum(0).to(torch.int32)
+    dt = torch.bfloat16 if cuda else torch.float32
+    x, w = torch.randn(T, K, device=device, dtype=dt), torch.randn(E, N, K, device=device, dtype=dt)
+    xq, wq = quantize_fp8(x), quantize_fp8(w, axis="both")
+    fns = {"fp8": lambda: grouped_mm_fp8(xq, wq, offsets),
+           "bf16": lambda: grouped_mm(x, w.transpose(1, 2), offsets)}  # fmt: skip
+    if cuda:
+        x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        sx, sw = torch.ones(T, device=device), torch.ones(E, N, device=device)
+        fns["torch_fp8"] = lambda: torch._scaled_grouped_mm(
+            x8, w8.transpose(1, 2), sx, sw, offs=offsets, out_dtype=torch.bfloat16
+        )
+    res = {"shape": name, "T": T, "E": E, "K": K, "N": N, "dense_fp8_tflops": dense_tflops}
+    bc.measure(fns, {"ms": bc.eager_timer(cuda)}, 1, res, warm=True)
+    for c in ("fp8", "bf16", "torch_fp8"):
+        res[f"{c}_tflops"] = 2 * T * K * N / res.get(f"{c}_ms", math.nan) / 1e9
+    return bc.ratios(res, "ms", {"x_bf16": ("bf16", "fp8"), "x_torch_fp8": ("torch_fp8", "fp8")})
+
+
+def dense_fp8_tflops(n: int = 8192) -> float:
+    """The ceiling: dense FP8 rowwise ``torch._scaled_mm`` at n³."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    ms = bc.bench_ms(lambda: torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16))
+    return 2 * n**3 / ms / 1e9
+
+
+GEMM_COLUMNS = [
+    "shape", ("fp8 TF/s", "fp8_tflops"), ("bf16 TF/s", "bf16_tflops"),
+    ("torch fp8 TF/s", "torch_fp8_tflops"), ("× bf16", "x_bf16"), ("× torch fp8", "x_torch_fp8"),
+    ("dense fp8 TF/s", "dense_fp8_tflops"),
+]  # fmt: skip
+
 COLUMNS = [
     "shape", ("moekit µs", "moekit_us"), ("torch µs", "torch_us"), ("× torch", "speedup_vs_torch"),
     ("moekit GB/s", "moekit_gbs"), ("copy GB/s", "copy_gbs"), ("of copy", "of_copy"),
@@ -67,10 +112,20 @@ def main() -> None:
     shapes = (SMOKE_SHAPES if args.smoke else SHAPES).items()
     rows, _, failed = bc.run_cases((n, partial(run_shape, n, s, cuda, device, copy_gbs))
                                    for n, s in shapes)  # fmt: skip
-    meta = bc.meta(cuda, copy_gb_per_s=copy_gbs, failed=failed)
+    dense = dense_fp8_tflops() if cuda else math.nan
+    bc.log(f"dense FP8 rowwise _scaled_mm: {dense:.0f} TFLOP/s")
+    gemm_shapes = (GEMM_SMOKE if args.smoke else GEMM_SHAPES).items()
+    gemm, _, failed_gemm = bc.run_cases((n, partial(run_gemm, n, s, cuda, device, dense))
+                                        for n, s in gemm_shapes)  # fmt: skip
+    meta = bc.meta(cuda, copy_gb_per_s=copy_gbs, failed={**failed, **failed_gemm})
     series = {"moekit": "moekit_gbs", "torch": "torch_gbs", "copy": "copy_gbs"}
-    panel = bc.bars(rows, series, "GB/s moved (x read, e4m3 + scales written)")
-    bc.finish(args.out, "fp8", {"meta": meta, "rows": rows}, COLUMNS, [panel], "", ".2f")
+    panels = [bc.bars(rows, series, "GB/s moved (x read, e4m3 + scales written)"),
+              bc.bars(gemm, {"moekit fp8": "fp8_tflops", "moekit bf16": "bf16_tflops",
+                             "torch fp8 rowwise": "torch_fp8_tflops",
+                             "dense fp8": "dense_fp8_tflops"}, "TFLOP/s")]  # fmt: skip
+    data = {"meta": meta, "rows": rows, "gemm": gemm}
+    bc.finish(args.out, "fp8", data, COLUMNS, panels, "", ".2f")
+    bc.log(bc.table(gemm, GEMM_COLUMNS, ".2f"))
 
 
 if __name__ == "__main__":

@@ -18,14 +18,28 @@ import math
 import torch
 
 from moekit.kernels import fp8 as kernels
-from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_fp8_device, check_tensor
-from moekit.reference.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_shape
+from moekit.kernels.grouped_gemm import grouped_mm_ragged_m
+from moekit.ops.validation import (
+    FLOAT_DTYPES,
+    check_dtype,
+    check_fp8_device,
+    check_offsets,
+    check_offsets_values,
+    check_tensor,
+)
+from moekit.reference.fp8 import (
+    dequantize_fp8_ref,
+    grouped_mm_fp8_ref,
+    quantize_fp8_ref,
+    scale_shape,
+)
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.fp8 import quantize_config
+from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
-__all__ = ["AXES", "BLOCKS", "Fp8Tensor", "quantize_fp8"]
+__all__ = ["AXES", "BLOCKS", "Fp8Tensor", "grouped_mm_fp8", "quantize_fp8"]
 
 AXES = ("row", "col", "both")
 BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
@@ -128,3 +142,82 @@ def quantize_fp8(
     check_fp8_device("x", x)
     data, scale = _quantize(x.detach(), axis, block, pow2_scale)
     return Fp8Tensor(data, scale, axis, block)
+
+
+def _ragged_m_fp8_fake(a, sa, b, sb, offsets, block, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@kernel_op("grouped_mm_fp8_ragged_m", fake=_ragged_m_fp8_fake)
+def _ragged_m_fp8(
+    a: torch.Tensor,  # [T, K] e4m3
+    sa: torch.Tensor,  # [T, ⌈K/B⌉] fp32
+    b: torch.Tensor,  # [E, N, K] e4m3
+    sb: torch.Tensor,  # [E, ⌈N/B⌉, ⌈K/B⌉] fp32
+    offsets: torch.Tensor,  # [E]
+    block: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The product of a checked call: the kernel, or the reference on the CPU."""
+    if not use_triton(a):
+        return grouped_mm_fp8_ref(a, sa, b, sb, offsets, block, out_dtype)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    if a.shape[0]:
+        bt = b.transpose(1, 2)  # [E, K, N] with unit stride along K: the kernel's K-major b
+        cfg = fp8_ragged_m_config(block)
+        key = None
+        if a.is_cuda:
+            key = ("grouped_mm_fp8", block, *map(tensor_key, (a, sa, bt, sb, offsets, out)))
+        replayed(
+            key, (a, sa, bt, sb, offsets, out),
+            lambda: grouped_mm_ragged_m(a, bt, offsets, out, None, cfg, scales=(sa, sb)),
+        )  # fmt: skip
+    return out
+
+
+def grouped_mm_fp8(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    offsets: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Blockwise FP8 grouped GEMM, ragged M (the forward of an expert layer): ``y[rows of e] =
+    a[rows of e] @ b[e]ᵀ``, promoted to fp32 once per block of K.
+
+    Args:
+        a: rows [T, K] quantized with ``axis="row"`` (1×128 blocks).
+        b: the experts' weights [E, N, K] (nn.Linear layout) quantized with ``axis="both"``
+            (128×128 blocks), ``b.data`` with unit stride along K.
+        offsets: [E] int32/int64 cumulative end offsets on a's device; rows past
+            ``offsets[-1]`` give zeros.
+        out_dtype: bfloat16, float16 or float32.
+
+    Returns:
+        [T, N] in ``out_dtype``. No autograd yet (the dgrad and wgrad passes are not built).
+    """
+    for name, t, axis, ndim in (("a", a, "row", 2), ("b", b, "both", 3)):
+        if not isinstance(t, Fp8Tensor):
+            raise TypeError(f"{name} must be an Fp8Tensor (quantize_fp8), got {type(t).__name__}")
+        if t.axis != axis or t.block != 128 or t.data.dim() != ndim:
+            raise ValueError(
+                f"{name} must be a {ndim}-D Fp8Tensor quantized with axis={axis!r}, block=128, "
+                f"got {t.data.dim()}-D, axis={t.axis!r}, block={t.block}"
+            )
+    (T, K), (E, N, Kb) = a.shape, b.shape
+    if Kb != K:
+        raise ValueError(f"b.shape[2] must equal K = a.shape[1] = {K}, got {Kb}")
+    if b.data.stride(2) != 1:
+        raise ValueError(f"b.data must have unit stride along K, got strides {b.data.stride()}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+    for name, size, width in (("K (a.shape[1])", K, 1), ("N (b.shape[1])", N, out_dtype.itemsize)):
+        if size * width % 16:
+            raise ValueError(f"{name} must span a multiple of 16 bytes, got {size}")
+    offsets = check_offsets(offsets, E, "a.data", a.data, "b.shape[0]")
+    check_offsets_values(offsets, T, rows_what="a.shape[0] (T)")
+    if b.device != a.device:
+        raise ValueError(f"b must be on a's device {a.device}, got {b.device}")
+    check_fp8_device("a", a.data)
+    sa, sb = a.scale.contiguous(), b.scale.contiguous()
+    return _ragged_m_fp8(a.data, sa, b.data, sb, offsets.contiguous(), 128, out_dtype)

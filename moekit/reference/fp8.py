@@ -108,3 +108,32 @@ def dequantize_fp8_ref(
     if axis in ("col", "both"):
         s = s.repeat_interleave(block, dim=-2)[..., : data.shape[-2], :]
     return data.float() * s
+
+
+def grouped_mm_fp8_ref(
+    a: torch.Tensor,  # [T, K] e4m3
+    sa: torch.Tensor,  # [T, ⌈K/B⌉] fp32: a's 1×B blocks
+    b: torch.Tensor,  # [E, N, K] e4m3 (each expert's weight as stored, nn.Linear layout)
+    sb: torch.Tensor,  # [E, ⌈N/B⌉, ⌈K/B⌉] fp32: b's B×B blocks
+    offsets: torch.Tensor,  # [E] cumulative end offsets (read on the host)
+    block: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The blockwise FP8 ragged-M product ``y[rows of e] = a[rows of e] @ b[e]ᵀ`` in fp32, one
+    promotion per block of K: ``acc += (a_k @ b[e]_kᵀ) · (sa_k · sb_k)``, as the kernel does it;
+    rows past ``offsets[-1]`` are zero. Returns [T, N] in ``out_dtype``."""
+    T, K = a.shape
+    N = b.shape[1]
+    out = torch.zeros(T, N, dtype=torch.float32, device=a.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            acc = torch.zeros(end - start, N, dtype=torch.float32, device=a.device)
+            for kb in range(-(-K // block)):
+                ks = slice(kb * block, min(K, (kb + 1) * block))
+                part = a[start:end, ks].float() @ b[e, :, ks].float().t()
+                col_scale = sb[e, :, kb].repeat_interleave(block)[:N]
+                acc += part * (sa[start:end, kb, None] * col_scale[None, :])
+            out[start:end] = acc
+        start = end
+    return out.to(out_dtype)

@@ -40,6 +40,7 @@ __all__ = [
     "RAGGED_M_SMALL",
     "GemmConfig",
     "choose_config",
+    "fp8_ragged_m_config",
     "ragged_k_candidates",
     "ragged_m_candidates",
     "routing_robust_launches",
@@ -335,3 +336,10 @@ def random_skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
     u = torch.rand(2, E, generator=g, device=like.device, dtype=torch.float64)
     share = -torch.log1p(-u[0]) * u[1] ** (1 / 0.6)
     return _ends_from_shares(share, T, like)
+
+
+def fp8_ragged_m_config(block: int) -> GemmConfig:
+    """The FP8 (blockwise) ragged-M launch: K tiles of the scale block, so each tile is promoted
+    once; 128×128 output tiles and 8 warps, the best of a first sweep on an H200
+    (experiments/fp8_gemm_probe.py)."""
+    return GemmConfig(block_m=128, block_n=block, block_k=block, num_warps=8, num_stages=3)

@@ -186,3 +186,110 @@ def test_reference_rounds_to_nearest_even():
     assert torch.equal(
         round_e4m3(torch.tensor([183.99998, -30.999998])), torch.tensor([176.0, -30.0])
     )
+
+
+# --- the FP8 grouped GEMM (ragged M, forward) ------------------------------------------------
+
+
+def _experts(counts, T, K, N, device="cpu"):
+    """Rows [T, K] and weights [E, N, K] (nn.Linear layout), quantized, with their offsets."""
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    x = torch.randn(T, K, device=device)
+    w = torch.randn(len(counts), N, K, device=device) / K**0.5
+    return x, w, quantize_fp8(x), quantize_fp8(w, axis="both"), offsets
+
+
+def _product(x, w, counts) -> torch.Tensor:
+    """fp32 grouped product of x [T, K] and w [E, N, K] over the rows of each expert."""
+    out, start = torch.zeros(x.shape[0], w.shape[1], device=x.device), 0
+    for e, c in enumerate(counts):
+        out[start : start + c] = x[start : start + c].float() @ w[e].float().t()
+        start += c
+    return out
+
+
+def _check_gemm(counts, T, K, N, out_dtype=torch.float32, device="cpu", tol=0.0):
+    from moekit.ops.fp8 import grouped_mm_fp8
+    from moekit.reference.fp8 import grouped_mm_fp8_ref
+
+    x, w, a, b, offsets = _experts(counts, T, K, N, device)
+    y = grouped_mm_fp8(a, b, offsets, out_dtype=out_dtype)
+    ref = grouped_mm_fp8_ref(a.data, a.scale, b.data, b.scale, offsets.cpu(), 128, out_dtype)
+    assert y.dtype == out_dtype and y.shape == (T, N)
+    err = (y.float().cpu() - ref.float()).abs().max().item()
+    assert err <= tol * ref.float().abs().max().item(), f"kernel vs reference: {err}"
+    # against the unquantized product the error is the recipe's own: that of the product of
+    # the dequantized operands (fake quantization), plus fp32 and output rounding
+    exact = _product(x, w, counts).cpu()
+    fake = _product(a.dequantize(), b.dequantize(), counts).cpu()
+    recipe = (fake - exact).abs().max().item()
+    rounding = exact.abs().max().item() * (2**-8 if out_dtype != torch.float32 else 1e-5)
+    assert (y.float().cpu() - exact).abs().max().item() <= 1.01 * recipe + rounding
+    assert not y[sum(counts) :].any(), "rows past offsets[-1] are zero"
+
+
+@interp
+@pytest.mark.parametrize(
+    "counts, T, K, N",
+    [
+        ([100, 0, 170], 300, 256, 192),  # an empty expert, tiles across experts, a zero tail
+        ([0, 257, 0], 257, 128, 128),  # one expert with every row
+        ([3, 1, 2], 6, 144, 80),  # K and N not multiples of 128: partial blocks
+        ([1], 1, 128, 64),  # a single token
+    ],
+)
+def test_gemm_kernel_equals_reference(counts, T, K, N):
+    # Triton's interpreter runs e4m3 tl.dot exactly: the kernel equals the blockwise reference
+    _check_gemm(counts, T, K, N, tol=1e-6)  # fp32 rounding: the sums may run in another order
+
+
+def test_gemm_bf16_output():
+    # On the CPU the reference itself; under the interpreter the kernel, whose bf16 rounding
+    # may land one bf16 step (2^-7 relative) away (the interpreter truncates fp32 -> bf16)
+    _check_gemm([5, 0, 9], 16, 256, 64, out_dtype=torch.bfloat16, tol=2**-7)
+
+
+def test_gemm_bad_input():
+    from moekit.ops.fp8 import grouped_mm_fp8
+
+    x, w, a, b, offsets = _experts([4, 4], 8, 128, 64)
+    with pytest.raises(TypeError, match="a must be an Fp8Tensor"):
+        grouped_mm_fp8(x, b, offsets)
+    with pytest.raises(ValueError, match="b must be a 3-D Fp8Tensor quantized with axis='both'"):
+        grouped_mm_fp8(a, quantize_fp8(w), offsets)
+    with pytest.raises(ValueError, match=r"b.shape\[2\] must equal K"):
+        grouped_mm_fp8(a, quantize_fp8(w[..., :64], axis="both"), offsets)
+    with pytest.raises(TypeError, match="out_dtype must be"):
+        grouped_mm_fp8(a, b, offsets, out_dtype=torch.int32)
+    with pytest.raises(ValueError, match="offsets"):
+        grouped_mm_fp8(a, b, torch.tensor([4, 9], dtype=torch.int32))  # ends past T
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_matches_reference_within_promotion_rounding():
+    # The tensor cores sum each block of K in their own FP8 accumulator (narrower than fp32),
+    # which the per-block promotion bounds: a relative 1e-3 of the output's scale
+    torch.manual_seed(0)
+    _check_gemm([500, 0, 1700, 3, 845], 3072, 2048, 1536, device="cuda", tol=1e-3)
+    _check_gemm([64] * 16, 1100, 7168, 256, torch.bfloat16, device="cuda", tol=1e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_gemm_sync_free_and_graph_capturable():
+    from moekit.ops.fp8 import grouped_mm_fp8
+
+    _, _, a, b, offsets = _experts([700, 300, 24], 1024, 512, 256, "cuda")
+    want = grouped_mm_fp8(a, b, offsets)
+    grouped_mm_fp8(a, b, offsets)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grouped_mm_fp8(a, b, offsets)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        got = grouped_mm_fp8(a, b, offsets)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
