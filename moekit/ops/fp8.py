@@ -73,6 +73,17 @@ class Fp8Tensor:
         """``data · scale`` (computed in fp32) in ``dtype``."""
         return dequantize_fp8_ref(self.data, self.scale, self.axis, self.block).to(dtype)
 
+    def t(self) -> Fp8Tensor:
+        """The transpose of the last two dims, stored contiguous (e.g. a weight [E, N, K] as
+        [E, K, N], the operand of its dgrad). Only for B×B blocks, whose scales transpose
+        with the data: no second quantization, the same values."""
+        if self.axis != "both":
+            raise ValueError(
+                f"only an Fp8Tensor with axis='both' transposes as it is, got axis={self.axis!r}"
+            )
+        data = self.data.transpose(-2, -1).contiguous()
+        return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
+
 
 def _quantize_fake(x, axis, block, pow2_scale):
     data = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
@@ -194,7 +205,8 @@ def grouped_mm_fp8(
         out_dtype: bfloat16, float16 or float32.
 
     Returns:
-        [T, N] in ``out_dtype``. No autograd yet (the dgrad and wgrad passes are not built).
+        [T, N] in ``out_dtype``. No autograd yet. The dgrad of y = x·wᵀ is this product too,
+        of the output gradient (quantized 1×128) and ``b.t()``; the wgrad is not built.
     """
     for name, t, axis, ndim in (("a", a, "row", 2), ("b", b, "both", 3)):
         if not isinstance(t, Fp8Tensor):

@@ -243,6 +243,25 @@ def test_gemm_kernel_equals_reference(counts, T, K, N):
     _check_gemm(counts, T, K, N, tol=1e-6)  # fp32 rounding: the sums may run in another order
 
 
+@interp
+def test_gemm_dgrad_through_the_transposed_weight():
+    # dx = dy @ w[e] per expert: the same kernel on dy (1x128 along N) and w.t(), whose
+    # 128x128 scales transpose with the data (no second quantization: equal values)
+    from moekit.ops.fp8 import grouped_mm_fp8
+
+    counts, T, K, N = [70, 0, 130], 200, 256, 384
+    _, w, _, wq, offsets = _experts(counts, T, K, N)
+    dy = torch.randn(T, N)
+    wt = wq.t()
+    assert wt.shape == (3, K, N) and torch.equal(wt.dequantize(), wq.dequantize().transpose(1, 2))
+    dx = grouped_mm_fp8(quantize_fp8(dy), wt, offsets, out_dtype=torch.float32)
+    fake = _product(quantize_fp8(dy).dequantize(), wt.dequantize(), counts)
+    exact = _product(dy, w.transpose(1, 2), counts)
+    assert (dx - exact).abs().max() <= 1.01 * (fake - exact).abs().max() + 1e-5
+    with pytest.raises(ValueError, match="only an Fp8Tensor with axis='both'"):
+        quantize_fp8(dy).t()
+
+
 def test_gemm_bf16_output():
     # On the CPU the reference itself; under the interpreter the kernel, whose bf16 rounding
     # may land one bf16 step (2^-7 relative) away (the interpreter truncates fp32 -> bf16)
