@@ -51,7 +51,12 @@ from moekit.runtime.replay import launch
 from moekit.runtime.tma import tma_ready
 from moekit.tuning.grouped_gemm import GemmConfig
 
-__all__ = ["grouped_mm_ragged_k", "grouped_mm_ragged_m", "persistent_launch"]
+__all__ = [
+    "grouped_mm_fp8_wgrad",
+    "grouped_mm_ragged_k",
+    "grouped_mm_ragged_m",
+    "persistent_launch",
+]
 
 
 @triton.jit
@@ -592,4 +597,74 @@ def grouped_mm_ragged_k(
         ACCUMULATE=accumulate, C_TMA=c_tma, WARP_SPEC=config.warp_specialize,
         EPI_SUBTILE=config.epilogue_subtile, DYNAMIC=config.dynamic,
         STATIC_SLACK_PCT=config.static_slack_pct, **meta,
+    )  # fmt: skip
+
+
+@triton.jit
+def _fp8_wgrad_kernel(
+    # pointers: a [M, T] and b [N, T] e4m3 (T contiguous: the tokens), sa [⌈T/BK⌉, M] and
+    # sb [⌈T/BK⌉, N] fp32 (one scale per BK tokens and column), c [E, M, N] fp32, offsets [E]
+    a_ptr, b_ptr, sa_ptr, sb_ptr, c_ptr, offsets_ptr,
+    M, N, T, E,  # sizes
+    stride_a_m, stride_b_n, stride_sa_t, stride_sb_t, stride_c_e, stride_c_m,  # strides
+    ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # meta
+    BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+):  # fmt: skip
+    """c[e] (+)= Σ over expert e's token blocks k of (a_k @ b_kᵀ) · (sa_k ⊗ sb_k): the FP8
+    weight gradient, one fp32 promotion per BLOCK_K tokens. Every expert's tokens start and end
+    at multiples of BLOCK_K (the caller's contract), so a block never spans two experts and
+    plain descriptors serve. Persistent over (expert, m-tile, n-tile)."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_expert = num_m * num_n
+    offs_e, _, starts, ends = expert_bounds(offsets_ptr, E, T, BLOCK_E)
+    a_desc = matrix_desc(a_ptr, M, T, stride_a_m, BLOCK_M, BLOCK_K)
+    b_desc = matrix_desc(b_ptr, N, T, stride_b_n, BLOCK_N, BLOCK_K)
+    for tile in tl.range(pid, E * per_expert, NUM_PROGRAMS):
+        e = tile // per_expert
+        off_m = (tile % per_expert) // num_n * BLOCK_M
+        off_n = (tile % per_expert) % num_n * BLOCK_N
+        start = tl.sum(tl.where(offs_e == e, starts, 0), axis=0)
+        end = tl.sum(tl.where(offs_e == e, ends, 0), axis=0)
+        rows = off_m + tl.arange(0, BLOCK_M)
+        cols = off_n + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range((end - start) // BLOCK_K):
+            t0 = start + ki * BLOCK_K
+            a = a_desc.load([off_m, t0])
+            b = b_desc.load([off_n, t0])
+            sa = tl.load(sa_ptr + (t0 // BLOCK_K) * stride_sa_t + rows, mask=rows < M, other=0.0)
+            sb = tl.load(sb_ptr + (t0 // BLOCK_K) * stride_sb_t + cols, mask=cols < N, other=0.0)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        c_ptrs = (c_ptr + e.to(tl.int64) * stride_c_e + rows[:, None] * stride_c_m
+                  + cols[None, :])  # fmt: skip
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        if ACCUMULATE:
+            if end > start:  # an expert with no tokens leaves the accumulator untouched
+                tl.store(c_ptrs, acc + tl.load(c_ptrs, mask=mask, other=0.0), mask=mask)
+        else:
+            tl.store(c_ptrs, acc, mask=mask)
+
+
+def grouped_mm_fp8_wgrad(
+    a: torch.Tensor,  # [M, T] e4m3, unit stride along T
+    b: torch.Tensor,  # [N, T] e4m3, unit stride along T
+    sa: torch.Tensor,  # [⌈T/BK⌉, M] fp32, unit stride along M
+    sb: torch.Tensor,  # [⌈T/BK⌉, N] fp32, unit stride along N
+    offsets: torch.Tensor,  # [E] int32/int64, contiguous, multiples of config.block_k
+    out: torch.Tensor,  # [E, M, N] fp32, unit stride along N
+    accumulate: bool,
+    config: GemmConfig,
+) -> None:
+    """out[e] (+)= a[:, tokens of e] @ b[:, tokens of e]ᵀ, blockwise FP8 (see the kernel)."""
+    M, T = a.shape
+    N, E = b.shape[0], offsets.shape[0]
+    grid, meta = persistent_launch(config, E, a)
+    meta = {k: v for k, v in meta.items() if k not in ("GROUP_M", "FLATTEN")}  # not used here
+    launch(
+        _fp8_wgrad_kernel, grid,
+        a, b, sa, sb, out, offsets,
+        M, N, T, E,
+        a.stride(0), b.stride(0), sa.stride(0), sb.stride(0), out.stride(0), out.stride(1),
+        ACCUMULATE=accumulate, **meta,
     )  # fmt: skip

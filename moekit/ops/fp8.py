@@ -17,7 +17,9 @@ import math
 
 import torch
 
+from moekit.config import debug_checks
 from moekit.kernels import fp8 as kernels
+from moekit.kernels.grouped_gemm import grouped_mm_fp8_wgrad as wgrad_kernel
 from moekit.kernels.grouped_gemm import grouped_mm_ragged_m
 from moekit.ops.validation import (
     FLOAT_DTYPES,
@@ -30,6 +32,7 @@ from moekit.ops.validation import (
 from moekit.reference.fp8 import (
     dequantize_fp8_ref,
     grouped_mm_fp8_ref,
+    grouped_mm_fp8_wgrad_ref,
     quantize_fp8_ref,
     scale_shape,
 )
@@ -39,7 +42,14 @@ from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.fp8 import quantize_config
 from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
-__all__ = ["AXES", "BLOCKS", "Fp8Tensor", "grouped_mm_fp8", "quantize_fp8"]
+__all__ = [
+    "AXES",
+    "BLOCKS",
+    "Fp8Tensor",
+    "grouped_mm_fp8",
+    "grouped_mm_fp8_wgrad",
+    "quantize_fp8",
+]
 
 AXES = ("row", "col", "both")
 BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
@@ -60,9 +70,15 @@ class Fp8Tensor:
     scale: torch.Tensor
     axis: str  # "row" (1×B blocks), "col" (B×1 along dim -2) or "both" (B×B)
     block: int
+    # data stored transposed in its last two dims ([..., K, M], contiguous): the layout a GEMM
+    # that contracts over M wants (the wgrad's operands, M the tokens); scale as for x
+    transposed: bool = False
 
     @property
     def shape(self) -> torch.Size:
+        """The shape of the quantized tensor x (``data``'s, transposed back)."""
+        if self.transposed:
+            return torch.Size((*self.data.shape[:-2], self.data.shape[-1], self.data.shape[-2]))
         return self.data.shape
 
     @property
@@ -71,13 +87,14 @@ class Fp8Tensor:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data · scale`` (computed in fp32) in ``dtype``."""
-        return dequantize_fp8_ref(self.data, self.scale, self.axis, self.block).to(dtype)
+        data = self.data.transpose(-2, -1) if self.transposed else self.data
+        return dequantize_fp8_ref(data, self.scale, self.axis, self.block).to(dtype)
 
     def t(self) -> Fp8Tensor:
         """The transpose of the last two dims, stored contiguous (e.g. a weight [E, N, K] as
         [E, K, N], the operand of its dgrad). Only for B×B blocks, whose scales transpose
         with the data: no second quantization, the same values."""
-        if self.axis != "both":
+        if self.axis != "both" or self.transposed:
             raise ValueError(
                 f"only an Fp8Tensor with axis='both' transposes as it is, got axis={self.axis!r}"
             )
@@ -85,29 +102,38 @@ class Fp8Tensor:
         return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
 
 
-def _quantize_fake(x, axis, block, pow2_scale):
-    data = x.new_empty(x.shape, dtype=torch.float8_e4m3fn)
+def _quantize_fake(x, axis, block, pow2_scale, transpose):
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+    data = x.new_empty(shape, dtype=torch.float8_e4m3fn)
     return data, x.new_empty(scale_shape(x.shape, axis, block), dtype=torch.float32)
 
 
 @kernel_op("quantize_fp8", fake=_quantize_fake)
 def _quantize(
-    x: torch.Tensor, axis: str, block: int, pow2_scale: bool
+    x: torch.Tensor, axis: str, block: int, pow2_scale: bool, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale) of a checked call."""
     if not use_triton(x):
-        return quantize_fp8_ref(x, axis, block, pow2_scale)
-    data, scale = _quantize_fake(x, axis, block, pow2_scale)
+        data, scale = quantize_fp8_ref(x, axis, block, pow2_scale)
+        return (data.transpose(-2, -1).contiguous() if transpose else data), scale
+    data, scale = _quantize_fake(x, axis, block, pow2_scale, transpose)
     # [B, M, K]: for row blocks every row in M (a tile takes several), else the batch in B
     lead = math.prod(x.shape[:-1] if axis == "row" else x.shape[:-2])
     x3 = x.reshape(1, lead, x.shape[-1]) if axis == "row" else x.reshape(lead, *x.shape[-2:])
-    d3 = data.view(torch.uint8).view(x3.shape)
+    d3 = data.view(torch.uint8)
+    d3 = d3.view(lead, x3.shape[2], x3.shape[1]).transpose(1, 2) if transpose else d3.view(x3.shape)
     s3 = scale.view(x3.shape[0], x3.shape[1] if axis == "row" else scale.shape[-2], scale.shape[-1])
     cfg = quantize_config(axis, block)
     per_row, per_col = axis == "row", axis == "col"
     key = None
     if x.is_cuda:
-        key = ("quantize_fp8", axis, block, pow2_scale, *map(tensor_key, (x3, d3, s3)))
+        key = (
+            "quantize_fp8",
+            axis,
+            block,
+            pow2_scale,
+            *map(tensor_key, (x3, d3, s3)),
+        )  # d3's strides: transpose
     if x3.numel():
         replayed(
             key, (x3, d3, s3),
@@ -122,6 +148,7 @@ def quantize_fp8(
     axis: str = "row",
     block: int = 128,
     pow2_scale: bool = False,
+    transpose: bool = False,
 ) -> Fp8Tensor:
     """Quantize ``x`` blockwise to e4m3 with one fp32 scale per block.
 
@@ -133,6 +160,8 @@ def quantize_fp8(
         block: the block side, one of 16, 32, 64, 128 (the recipe's).
         pow2_scale: round each scale up to a power of two (dequantization then only shifts
             exponents; the values lose up to one bit of range use).
+        transpose: store ``data`` transposed in its last two dims (``"col"`` and ``"both"``):
+            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands).
 
     Returns:
         :class:`Fp8Tensor` with ``data`` (x's shape, e4m3) and ``scale`` (fp32). Not
@@ -148,11 +177,14 @@ def quantize_fp8(
         raise ValueError(f"x must be {shape} for axis={axis!r}, got shape {tuple(x.shape)}")
     if isinstance(block, bool) or block not in BLOCKS:
         raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-    if not isinstance(pow2_scale, bool):
-        raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
+    for name, flag in (("pow2_scale", pow2_scale), ("transpose", transpose)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    if transpose and axis == "row":
+        raise ValueError("transpose applies to axis='col' or 'both', got axis='row'")
     check_fp8_device("x", x)
-    data, scale = _quantize(x.detach(), axis, block, pow2_scale)
-    return Fp8Tensor(data, scale, axis, block)
+    data, scale = _quantize(x.detach(), axis, block, pow2_scale, transpose)
+    return Fp8Tensor(data, scale, axis, block, transpose)
 
 
 def _ragged_m_fp8_fake(a, sa, b, sb, offsets, block, out_dtype):
@@ -233,3 +265,117 @@ def grouped_mm_fp8(
     check_fp8_device("a", a.data)
     sa, sb = a.scale.contiguous(), b.scale.contiguous()
     return _ragged_m_fp8(a.data, sa, b.data, sb, offsets.contiguous(), 128, out_dtype)
+
+
+@kernel_op(
+    "grouped_mm_fp8_wgrad",
+    fake=lambda a, sa, b, sb, offsets, block, out, accumulate: None,
+    mutates_args=("out",),
+)
+def _wgrad_fp8(
+    a: torch.Tensor,  # [M, T] e4m3
+    sa: torch.Tensor,  # [⌈T/B⌉, M]
+    b: torch.Tensor,  # [N, T] e4m3
+    sb: torch.Tensor,  # [⌈T/B⌉, N]
+    offsets: torch.Tensor,  # [E]
+    block: int,
+    out: torch.Tensor,  # [E, M, N] fp32
+    accumulate: bool,
+) -> None:
+    """``out`` (+)= the product of a checked call: the kernel, or the reference on the CPU."""
+    if not use_triton(a):
+        got = grouped_mm_fp8_wgrad_ref(a, sa, b, sb, offsets, block)
+        if accumulate:
+            out.add_(got)
+        else:
+            out.copy_(got)
+        return
+    cfg = fp8_ragged_m_config(block)
+    key = None
+    if a.is_cuda:
+        key = ("grouped_mm_fp8_wgrad", block, accumulate,
+               *map(tensor_key, (a, sa, b, sb, offsets, out)))  # fmt: skip
+    replayed(
+        key, (a, sa, b, sb, offsets, out),
+        lambda: wgrad_kernel(a, b, sa, sb, offsets, out, accumulate, cfg),
+    )  # fmt: skip
+
+
+def _check_wgrad_operand(name: str, t: object) -> None:
+    if not isinstance(t, Fp8Tensor):
+        raise TypeError(f"{name} must be an Fp8Tensor (quantize_fp8), got {type(t).__name__}")
+    if t.axis != "col" or not t.transposed or t.block != 128 or t.data.dim() != 2:
+        raise ValueError(
+            f"{name} must be a 2-D Fp8Tensor from quantize_fp8(..., axis='col', "
+            f"transpose=True) with block=128, got {t.data.dim()}-D, axis={t.axis!r}, "
+            f"transposed={t.transposed}, block={t.block}"
+        )
+
+
+def _check_token_blocks(offsets: torch.Tensor, T: int) -> None:
+    """Every expert's tokens must start and end at multiples of 128 (``permute(align=128)``
+    gives that): on the host for CPU offsets, on the device under MOEKIT_DEBUG=1."""
+    if offsets.device.type == "cpu":
+        bad = (offsets % 128 != 0).nonzero()
+        if bad.numel():
+            e = int(bad[0, 0])
+            raise ValueError(
+                f"offsets must be multiples of 128 (each expert's tokens in whole 128-token "
+                f"blocks, e.g. permute(align=128)), got offsets[{e}] = {int(offsets[e])}"
+            )
+    elif debug_checks():
+        torch._assert_async((offsets % 128 == 0).all(), "offsets must be multiples of 128")
+
+
+def grouped_mm_fp8_wgrad(
+    a: Fp8Tensor,
+    b: Fp8Tensor,
+    offsets: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+) -> torch.Tensor:
+    """Blockwise FP8 weight gradient, ragged over the tokens: ``c[e] = aᵀ[tokens of e] @
+    b[tokens of e]`` in fp32, promoted once per 128 tokens.
+
+    Args:
+        a: the output gradient dy [T, M] and b: the layer's input x [T, N], each quantized
+            with ``quantize_fp8(..., axis="col", transpose=True)`` (128×1 blocks along the
+            tokens, stored [M, T] / [N, T]).
+        offsets: [E] cumulative token ends, each a multiple of 128 (checked on the host for
+            CPU offsets, under MOEKIT_DEBUG=1 on the device; otherwise undefined but
+            memory-safe); tokens past ``offsets[-1]`` take no part.
+        out: [E, M, N] fp32 to write (or, with ``accumulate``, add) into, e.g. an expert
+            weight's ``main_grad`` viewed as [E, M, N]; an expert without tokens leaves it as
+            it is when accumulating.
+
+    Returns:
+        [E, M, N] fp32 (``out`` when given). For y = x·wᵀ with w [E, M, N] this is dw.
+    """
+    _check_wgrad_operand("a", a)
+    _check_wgrad_operand("b", b)
+    (T, M), (Tb, N) = a.shape, b.shape
+    if Tb != T:
+        raise ValueError(f"b must have a's {T} tokens (shape[0]), got {Tb}")
+    for name, size in (("T (a.shape[0])", T), ("M (a.shape[1])", M), ("N (b.shape[1])", N)):
+        if size % 16:
+            raise ValueError(f"{name} must be a multiple of 16, got {size}")
+    offsets = check_offsets(offsets, None, "a.data", a.data, None)
+    check_offsets_values(offsets, T, rows_what="the tokens T (a.shape[0])")
+    _check_token_blocks(offsets, T)
+    E = offsets.shape[0]
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
+        out = torch.empty(E, M, N, dtype=torch.float32, device=a.device)
+    elif out.shape != (E, M, N) or out.dtype != torch.float32 or out.stride(2) != 1:
+        raise ValueError(
+            f"out must be an fp32 [{E}, {M}, {N}] tensor with unit stride along N, got "
+            f"{out.dtype} {tuple(out.shape)} strides {out.stride()}"
+        )
+    check_fp8_device("a", a.data)
+    _wgrad_fp8(
+        a.data, a.scale.contiguous(), b.data, b.scale.contiguous(), offsets.contiguous(), 128,
+        out, bool(accumulate),
+    )  # fmt: skip
+    return out

@@ -137,3 +137,26 @@ def grouped_mm_fp8_ref(
             out[start:end] = acc
         start = end
     return out.to(out_dtype)
+
+
+def grouped_mm_fp8_wgrad_ref(
+    a: torch.Tensor,  # [M, T] e4m3 (the tokens along T)
+    sa: torch.Tensor,  # [⌈T/B⌉, M] fp32: a's B×1 blocks along the tokens
+    b: torch.Tensor,  # [N, T] e4m3
+    sb: torch.Tensor,  # [⌈T/B⌉, N] fp32
+    offsets: torch.Tensor,  # [E] cumulative token ends, multiples of B (read on the host)
+    block: int,
+) -> torch.Tensor:
+    """The blockwise FP8 weight gradient ``c[e] = a[:, tokens of e] @ b[:, tokens of e]ᵀ`` in
+    fp32, one promotion per block of B tokens: ``acc += (a_k @ b_kᵀ) · (sa_k ⊗ sb_k)``.
+    Returns [E, M, N] fp32 (zeros for an expert without tokens)."""
+    M, N = a.shape[0], b.shape[0]
+    out = torch.zeros(offsets.shape[0], M, N, dtype=torch.float32, device=a.device)
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        for t0 in range(start, end, block):
+            k, ts = t0 // block, slice(t0, t0 + block)
+            part = a[:, ts].float() @ b[:, ts].float().t()
+            out[e] += part * (sa[k, :, None] * sb[k, None, :])
+        start = end
+    return out

@@ -4,6 +4,8 @@ single element, zero blocks, NaN and inf, non-contiguous input, empty input) and
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -312,3 +314,84 @@ def test_gpu_gemm_sync_free_and_graph_capturable():
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(got, want)
+
+
+# --- the FP8 weight gradient (ragged over the tokens) ----------------------------------------
+
+
+@interp
+@pytest.mark.parametrize("axis", ["col", "both"])
+def test_transposed_output(axis):
+    # the same quantization, stored [.., K, M] in the same pass
+    x = torch.randn(2, 200, 96) * 4
+    q, qt = quantize_fp8(x, axis=axis), quantize_fp8(x, axis=axis, transpose=True)
+    assert qt.transposed and qt.shape == x.shape and qt.data.shape == (2, 96, 200)
+    assert qt.data.is_contiguous() and _same(qt.data.transpose(-2, -1), q.data)
+    assert torch.equal(qt.scale, q.scale) and torch.equal(qt.dequantize(), q.dequantize())
+    with pytest.raises(ValueError, match="transpose applies to axis='col' or 'both'"):
+        quantize_fp8(x, transpose=True)
+
+
+def _check_wgrad(counts, T, M, N, device="cpu", tol=0.0):
+    from moekit.ops.fp8 import grouped_mm_fp8_wgrad
+    from moekit.reference.fp8 import grouped_mm_fp8_wgrad_ref
+
+    offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+    dy, x = torch.randn(T, M, device=device), torch.randn(T, N, device=device)
+    a = quantize_fp8(dy, axis="col", transpose=True)
+    b = quantize_fp8(x, axis="col", transpose=True)
+    dw = grouped_mm_fp8_wgrad(a, b, offsets)
+    ref = grouped_mm_fp8_wgrad_ref(a.data, a.scale, b.data, b.scale, offsets.cpu(), 128)
+    assert (dw.cpu() - ref).abs().max() <= tol * ref.abs().max()
+    bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
+
+    def per_expert(p, q):
+        return torch.stack([p[s:e].t() @ q[s:e] for s, e in itertools.pairwise(bounds)]).cpu()
+
+    exact = per_expert(dy, x)
+    recipe = (per_expert(a.dequantize(), b.dequantize()) - exact).abs().max()
+    assert (dw.cpu() - exact).abs().max() <= 1.01 * recipe + 1e-4
+    main_grad = torch.full_like(dw, 2.0)  # accumulating: an expert without tokens stays 2
+    grouped_mm_fp8_wgrad(a, b, offsets, out=main_grad, accumulate=True)
+    assert torch.allclose(main_grad, dw + 2.0, rtol=1e-6, atol=1e-5)
+
+
+@interp
+@pytest.mark.parametrize(
+    "counts, T, M, N",
+    [
+        ([128, 0, 256, 128], 640, 192, 144),  # an empty expert, tokens past offsets[-1]
+        ([0, 384, 0], 384, 64, 96),  # one expert with every token
+    ],
+)
+def test_wgrad_kernel_equals_reference(counts, T, M, N):
+    _check_wgrad(counts, T, M, N, tol=1e-6)  # the interpreter's e4m3 tl.dot is exact
+
+
+def test_wgrad_cpu_reference_path():
+    _check_wgrad([128, 128], 256, 32, 48)
+
+
+def test_wgrad_bad_input():
+    from moekit.ops.fp8 import grouped_mm_fp8_wgrad
+
+    dy, x = torch.randn(256, 32), torch.randn(256, 48)
+    a = quantize_fp8(dy, axis="col", transpose=True)
+    b = quantize_fp8(x, axis="col", transpose=True)
+    offsets = torch.tensor([128, 256], dtype=torch.int32)
+    with pytest.raises(ValueError, match="transpose=True"):
+        grouped_mm_fp8_wgrad(quantize_fp8(dy, axis="col"), b, offsets)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        grouped_mm_fp8_wgrad(a, b, torch.tensor([100, 256], dtype=torch.int32))
+    with pytest.raises(ValueError, match="b must have a's 256 tokens"):
+        grouped_mm_fp8_wgrad(a, quantize_fp8(x[:128], axis="col", transpose=True), offsets)
+    with pytest.raises(ValueError, match=r"out must be an fp32 \[2, 32, 48\]"):
+        grouped_mm_fp8_wgrad(a, b, offsets, out=torch.zeros(2, 32, 48, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="accumulate=True needs out="):
+        grouped_mm_fp8_wgrad(a, b, offsets, accumulate=True)
+
+
+@pytest.mark.gpu
+def test_gpu_wgrad_matches_reference_within_promotion_rounding():
+    torch.manual_seed(0)
+    _check_wgrad([1024, 0, 2048, 128, 896], 4352, 1536, 2048, device="cuda", tol=1e-3)
