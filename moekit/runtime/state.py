@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from torch.utils.weak import WeakIdKeyDictionary
+
 __all__ = ["STATE", "State", "clear", "memoized", "warn_once"]
 
 
@@ -44,6 +46,9 @@ class State:
     # Triton cache key -> compile job still running (moekit.runtime.replay.compile_ahead)
     compiles: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiles_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    # parameter -> its FP8 copies and the version they were made at (moekit.ops.fp8_linear);
+    # an entry goes with its parameter
+    fp8_weights: Any = dataclasses.field(default_factory=lambda: WeakIdKeyDictionary())
     # (group name, use) -> symmetric-memory pool (moekit.distributed.symmetric_pool)
     pools: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)
     # bumped whenever a pool may change, so that what is derived from a pool is keyed on it
@@ -72,7 +77,8 @@ class State:
         """Drop every entry (see the module docstring); counters keep counting, and the
         registrations and open contexts listed above stay."""
         for store in (self.cache, self.scratch, self.tile_counters, self.counter_ptrs,
-                      self.pools, self.tuned, self.lookups, self.warned):  # fmt: skip
+                      self.fp8_weights, self.pools, self.tuned, self.lookups,
+                      self.warned):  # fmt: skip
             store.clear()
         with self.compiles_lock:
             self.compiles.clear()
