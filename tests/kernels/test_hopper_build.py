@@ -1,0 +1,68 @@
+"""The FP8 kernels build for Hopper (sm_90) and run on its FP8 tensor cores: compiled on the CPU
+with Triton's own compiler for an sm_90 target, down to a cubin (no GPU needed), and the PTX
+read for e4m3 ``wgmma`` instructions. Catches what Triton's interpreter cannot: an FP8 dot
+whose operand layouts Hopper does not take, or a kernel that does not lower at all.
+
+Runs in a subprocess: under ``TRITON_INTERPRET=1`` the kernels are interpreter functions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import re
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from moekit.kernels import fp8, grouped_gemm
+
+    def build(fn, pointers, consts, **options):
+        sig = {}
+        for p in fn.params:
+            if p.is_constexpr:
+                sig[p.name] = "constexpr"
+                consts.setdefault(p.name, p.default)
+            else:
+                sig[p.name] = pointers.get(p.name, "i32")
+        src = ASTSource(fn, signature=sig, constexprs=consts)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        return sorted(set(re.findall(r"wgmma\\.mma_async\\S*", kernel.asm["ptx"])))
+
+    f8, f32 = "*fp8e4nv", "*fp32"
+    gemm = dict(a_ptr=f8, b_ptr=f8, c_ptr="*bf16", bias_ptr="*bf16", offsets_ptr="*i32",
+                sa_ptr=f32, sb_ptr=f32)
+    meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, BLOCK_E=16, GROUP_M=8, NUM_PROGRAMS=132,
+                FLATTEN=False, WARP_SPEC=False, EPI_SUBTILE=False, EXPERT_GROUPS=False,
+                HAS_BIAS=False, B_K_MAJOR=True, SCALED=True)
+    for c_tma in (False, True):
+        print("forward", c_tma, build(grouped_gemm._grouped_mm_ragged_m_kernel, gemm,
+                                      dict(meta, C_TMA=c_tma), num_warps=8, num_stages=3))
+    wgrad = dict(a_ptr=f8, b_ptr=f8, sa_ptr=f32, sb_ptr=f32, c_ptr=f32, offsets_ptr="*i32")
+    print("wgrad", build(grouped_gemm._fp8_wgrad_kernel, wgrad,
+                         dict(ACCUMULATE=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+                              BLOCK_E=16, NUM_PROGRAMS=132), num_warps=8, num_stages=3))
+    quant = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr=f32)
+    for per_row, per_col in ((True, False), (False, True), (False, False)):
+        build(fp8._quantize_fp8_kernel, quant, dict(BLOCK_M=64, BLOCK_K=128, PER_ROW=per_row,
+              PER_COL=per_col, POW2=False), num_warps=8)
+    print("quantize ok")
+    """
+)
+
+
+def test_fp8_kernels_build_for_hopper_with_fp8_tensor_cores():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    fp8_mma = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"
+    lines = out.stdout.splitlines()
+    assert [line for line in lines if line.startswith("forward")] == [
+        f"forward {c_tma} ['{fp8_mma}']" for c_tma in (False, True)
+    ]
+    assert f"wgrad ['{fp8_mma}']" in lines and "quantize ok" in lines
