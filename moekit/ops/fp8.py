@@ -60,7 +60,8 @@ class Fp8Tensor:
     """A tensor quantized blockwise to e4m3: ``x ≈ data · scale``, each scale spread over its
     block.
 
-    ``data``: e4m3 (``torch.float8_e4m3fn``), the shape of the source.
+    ``data``: e4m3 (``torch.float8_e4m3fn``), the shape of the source (its last two dims
+    swapped when ``transposed``).
     ``scale``: fp32 dequantization factors (a block's amax / 448, or the next power of two up),
     of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for data
     [..., M, K] and ``block`` B.
@@ -96,7 +97,8 @@ class Fp8Tensor:
         with the data: no second quantization, the same values."""
         if self.axis != "both" or self.transposed:
             raise ValueError(
-                f"only an Fp8Tensor with axis='both' transposes as it is, got axis={self.axis!r}"
+                "only an Fp8Tensor with axis='both' stored untransposed transposes as it is, got "
+                f"axis={self.axis!r}, transposed={self.transposed}"
             )
         data = self.data.transpose(-2, -1).contiguous()
         return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
@@ -127,13 +129,8 @@ def _quantize(
     per_row, per_col = axis == "row", axis == "col"
     key = None
     if x.is_cuda:
-        key = (
-            "quantize_fp8",
-            axis,
-            block,
-            pow2_scale,
-            *map(tensor_key, (x3, d3, s3)),
-        )  # d3's strides: transpose
+        # d3's strides tell a transposed output apart
+        key = ("quantize_fp8", axis, block, pow2_scale, *map(tensor_key, (x3, d3, s3)))
     if x3.numel():
         replayed(
             key, (x3, d3, s3),
