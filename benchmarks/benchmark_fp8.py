@@ -22,7 +22,7 @@ import common as bc
 import torch
 
 from moekit.ops import grouped_mm, quantize_fp8
-from moekit.ops.fp8 import grouped_mm_fp8
+from moekit.ops.fp8_gemm import grouped_mm_fp8
 from moekit.reference.fp8 import quantize_fp8_ref, scale_shape
 
 # name: (shape, axis)

@@ -7,7 +7,6 @@ from moekit.ops.allreduce import (
     auto_algo,
     set_auto_thresholds,
 )
-from moekit.ops.fp8 import Fp8Tensor, quantize_fp8
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.grouped_mlp import grouped_mlp
@@ -18,6 +17,7 @@ from moekit.ops.permute import (
     sort_chunks_by_index,
     unpermute,
 )
+from moekit.ops.quantize import Fp8Tensor, quantize_fp8
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 from moekit.ops.router import RouterConfig, topk_routing
 from moekit.ops.router_losses import load_balancing_loss, router_z_loss

@@ -1,10 +1,10 @@
 """``grouped_linear_fp8``: the expert linear layer ``y = x·w[e]ᵀ`` in blockwise FP8, with autograd.
 
 Forward: x quantized 1×128, the weight 128×128 (its FP8 copy made once per weight version and
-reused by every micro-batch), :func:`moekit.ops.fp8.grouped_mm_fp8`. Backward: dy quantized
+reused by every micro-batch), :func:`moekit.ops.fp8_gemm.grouped_mm_fp8`. Backward: dy quantized
 1×128 for the dgrad against the weight's transposed copy (the same blocks and scales), and
 dy and x quantized 128×1 along the tokens, each from its higher-precision source, for the
-wgrad (:func:`moekit.ops.fp8.grouped_mm_fp8_wgrad`), which goes into ``w.main_grad`` (fp32)
+wgrad (:func:`moekit.ops.fp8_gemm.grouped_mm_fp8_wgrad`), which goes into ``w.main_grad`` (fp32)
 when it exists. Every expert's rows must start and end at multiples of 128 for the wgrad.
 """
 
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from moekit.ops.fp8 import Fp8Tensor, grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8
+from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
+from moekit.ops.quantize import Fp8Tensor, quantize_fp8
 from moekit.runtime.op import refuse_double_backward
 from moekit.runtime.state import STATE
 

@@ -1,6 +1,7 @@
-"""Blockwise e4m3 quantization: the kernel (Triton's interpreter on CPU, the GPU with ``-m gpu``)
-against the reference bit for bit, the recipe's error bound, the edge cases (partial blocks, a
-single element, zero blocks, NaN and inf, non-contiguous input, empty input) and bad input."""
+"""The blockwise FP8 GEMMs and the FP8 expert linear layer: the kernels (Triton's interpreter on
+CPU, the GPU with ``-m gpu``) against the blockwise reference, the error against the unquantized
+product within the recipe's own (fake-quantized) error, the edge cases (empty experts, one expert
+with every row, partial blocks, a single token) and bad input."""
 
 from __future__ import annotations
 
@@ -10,176 +11,12 @@ import pytest
 import torch
 
 from moekit.config import interpret_mode
-from moekit.ops.fp8 import Fp8Tensor, quantize_fp8
-from moekit.reference.fp8 import quantize_fp8_ref, round_e4m3, scale_shape
+from moekit.ops.quantize import quantize_fp8
 from tests._cuda_step import sync_free_capture
 
 interp = pytest.mark.skipif(
-    not interpret_mode(), reason="the kernel on CPU needs TRITON_INTERPRET=1"
+    not interpret_mode(), reason="the kernels on CPU need TRITON_INTERPRET=1"
 )
-
-# (shape, axis, block): whole and partial blocks, a single element, batched weights
-CASES = [
-    ((70, 300), "row", 128),  # K not a multiple of the block: a partial last block
-    ((3, 5, 40), "row", 16),  # leading dims flattened into rows
-    ((1, 7), "row", 128),  # one row, one partial block
-    ((200, 130), "col", 128),  # token-wise blocks (wgrad operands), M partial
-    ((2, 65, 33), "col", 32),
-    ((3, 200, 130), "both", 128),  # per-expert weights [E, N, K], both sides partial
-    ((1, 1), "both", 16),  # a single element
-]
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The same bits (signed zeros included), any NaN equal to any NaN."""
-    a, b = a.cpu(), b.cpu()
-    nan = a.float().isnan() & b.float().isnan()
-    if a.dtype == torch.float8_e4m3fn:
-        a, b = a.view(torch.uint8), b.view(torch.uint8)
-    else:
-        a, b = a.view(torch.int32), b.view(torch.int32)
-    return bool(((a == b) | nan).all())
-
-
-def _check(x: torch.Tensor, axis: str, block: int, pow2: bool) -> Fp8Tensor:
-    q = quantize_fp8(x, axis=axis, block=block, pow2_scale=pow2)
-    data, scale = quantize_fp8_ref(x.cpu(), axis, block, pow2)
-    assert q.data.dtype == torch.float8_e4m3fn and q.data.shape == x.shape
-    assert q.scale.dtype == torch.float32
-    assert tuple(q.scale.shape) == scale_shape(x.shape, axis, block)
-    assert _same(q.data, data), "data differs from the reference"
-    assert _same(q.scale, scale), "scales differ from the reference"
-    return q
-
-
-def _error_within_recipe(x: torch.Tensor, q: Fp8Tensor) -> None:
-    """e4m3 keeps 3 mantissa bits: rounding to nearest moves a normal value by at most 2^-4 of
-    itself, and a value below e4m3's smallest normal (2^-6 · scale) by at most half the
-    subnormal spacing, 2^-10 · scale."""
-    ones = torch.ones(q.shape, device=q.device).to(torch.float8_e4m3fn)
-    scale = Fp8Tensor(ones, q.scale, q.axis, q.block).dequantize()  # each element's scale
-    bound = torch.maximum(x.float().abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)
-    assert ((q.dequantize() - x.float()).abs() <= bound).all()
-
-
-@interp
-@pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[1]}{c[2]}-{'x'.join(map(str, c[0]))}")
-def test_kernel_equals_reference(case, pow2):
-    shape, axis, block = case
-    torch.manual_seed(0)
-    x = torch.randn(*shape) * 10
-    q = _check(x, axis, block, pow2)
-    _error_within_recipe(x, q)
-    if pow2:
-        m = q.scale.view(torch.int32) & 0x7FFFFF
-        assert (m == 0).all(), "pow2 scales are powers of two"
-
-
-@interp
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_dtypes_and_strides(dtype):
-    # bf16 loads are fine in the interpreter (only its tl.dot on bf16 is wrong)
-    x = (torch.randn(300, 96) * 3).to(dtype)
-    _check(x.t(), "row", 128, False)  # non-contiguous (a transposed view)
-    _check(x[::2], "col", 64, False)  # every other row
-    _check(x, "both", 32, True)
-
-
-@interp
-def test_zero_blocks_nan_and_inf():
-    x = torch.randn(4, 256)
-    x[0] = 0.0  # an all-zero block: scale 1, data 0
-    x[1, 3] = float("nan")  # left out of its block's amax, quantized to NaN
-    x[2, 130] = float("inf")  # its block's scale is inf: finite entries 0, the inf NaN
-    q = _check(x, "row", 128, False)
-    assert (q.scale[0] == 1).all() and (q.data[0].float() == 0).all()
-    assert q.data[1, 3].float().isnan() and q.scale[1, 0].isfinite()
-    assert (q.data[1, :128].float().isnan().sum()) == 1
-    assert q.scale[2, 1] == float("inf") and q.data[2, 130].float().isnan()
-    assert (q.data[2, 128:256].float().nan_to_num(0.0) == 0).all()
-
-
-@interp
-def test_empty_input():
-    for axis in ("row", "col", "both"):
-        q = _check(torch.randn(0, 64), axis, 32, False)
-        assert q.data.numel() == 0
-
-
-def test_cpu_reference_path_matches_the_recipe():
-    # Without the interpreter CPU tensors run the reference: the recipe's bound holds there too
-    x = torch.randn(3, 96, 160) * 5
-    for axis in ("row", "col", "both"):
-        _error_within_recipe(x, quantize_fp8(x, axis=axis))
-
-
-@pytest.mark.parametrize(
-    "kwargs, err, match",
-    [
-        ({"axis": "rows"}, ValueError, "axis must be one of"),
-        ({"block": 100}, ValueError, "block must be one of"),
-        ({"block": True}, ValueError, "block must be one of"),
-        ({"pow2_scale": 1}, TypeError, "pow2_scale must be a bool"),
-    ],
-)
-def test_bad_options(kwargs, err, match):
-    with pytest.raises(err, match=match):
-        quantize_fp8(torch.randn(4, 128), **kwargs)
-
-
-def test_bad_input():
-    with pytest.raises(TypeError, match=r"x must be a torch\.Tensor"):
-        quantize_fp8([1.0, 2.0])
-    with pytest.raises(TypeError, match="x must have dtype"):
-        quantize_fp8(torch.ones(4, 128, dtype=torch.int32))
-    with pytest.raises(ValueError, match=r"x must be \[\.\.\., M, K\] for axis='col'"):
-        quantize_fp8(torch.randn(128), axis="col")
-    with pytest.raises(ValueError, match=r"x must be \[\.\.\., K\]"):
-        quantize_fp8(torch.tensor(1.0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pow2", [False, True])
-def test_gpu_kernel_equals_reference(pow2):
-    torch.manual_seed(0)
-    for shape, axis, block in [*CASES, ((4096, 7168), "row", 128), ((4096, 7168), "col", 128),
-                               ((8, 4096, 2048), "both", 128)]:  # fmt: skip
-        for dtype in (torch.bfloat16, torch.float32):
-            x = (torch.randn(*shape, device="cuda") * 10).to(dtype)
-            _error_within_recipe(x, _check(x, axis, block, pow2))
-            x.view(-1)[0] = float("nan")
-            _check(x, axis, block, pow2)
-
-
-@pytest.mark.gpu
-def test_gpu_sync_free_and_graph_capturable():
-    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
-    want = quantize_fp8(x)
-    graph, got = sync_free_capture(lambda: quantize_fp8(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert _same(got.data, want.data) and torch.equal(got.scale, want.scale)
-
-
-def test_reference_rounds_to_nearest_even():
-    # The oracle's own rounding against the nearest e4m3 value found by search in float64,
-    # including the ties (midpoints between neighbours) and values whose rounding carries into
-    # the next binade, where torch's CPU float8 cast and Triton's interpreter go wrong.
-    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
-    grid = grid[grid.isfinite()].unique()
-    mids = (grid[1:] + grid[:-1]) / 2
-    x = torch.cat([(torch.rand(100_000, dtype=torch.float64) * 2 - 1) * 448, mids, -mids])
-    x = x.float()
-    i = torch.searchsorted(grid, x.double()).clamp(1, len(grid) - 1)
-    lo, hi = grid[i - 1], grid[i]
-    d_lo, d_hi = (x.double() - lo).abs(), (hi - x.double()).abs()
-    lo_even = (lo.float().to(torch.float8_e4m3fn).view(torch.uint8) & 1) == 0
-    want = torch.where((d_lo < d_hi) | ((d_lo == d_hi) & lo_even), lo, hi)
-    assert torch.equal(round_e4m3(x).double(), want)
-    assert torch.equal(
-        round_e4m3(torch.tensor([183.99998, -30.999998])), torch.tensor([176.0, -30.0])
-    )
 
 
 # --- the FP8 grouped GEMM (ragged M, forward) ------------------------------------------------
@@ -203,7 +40,7 @@ def _product(x, w, counts) -> torch.Tensor:
 
 
 def _check_gemm(counts, T, K, N, out_dtype=torch.float32, device="cpu", tol=0.0):
-    from moekit.ops.fp8 import grouped_mm_fp8
+    from moekit.ops.fp8_gemm import grouped_mm_fp8
     from moekit.reference.fp8 import grouped_mm_fp8_ref
 
     x, w, a, b, offsets = _experts(counts, T, K, N, device)
@@ -241,7 +78,7 @@ def test_gemm_kernel_equals_reference(counts, T, K, N):
 def test_gemm_dgrad_through_the_transposed_weight():
     # dx = dy @ w[e] per expert: the same kernel on dy (1x128 along N) and w.t(), whose
     # 128x128 scales transpose with the data (no second quantization: equal values)
-    from moekit.ops.fp8 import grouped_mm_fp8
+    from moekit.ops.fp8_gemm import grouped_mm_fp8
 
     counts, T, K, N = [70, 0, 130], 200, 256, 384
     _, w, _, wq, offsets = _experts(counts, T, K, N)
@@ -263,7 +100,7 @@ def test_gemm_bf16_output():
 
 
 def test_gemm_bad_input():
-    from moekit.ops.fp8 import grouped_mm_fp8
+    from moekit.ops.fp8_gemm import grouped_mm_fp8
 
     x, w, a, b, offsets = _experts([4, 4], 8, 128, 64)
     with pytest.raises(TypeError, match="a must be an Fp8Tensor"):
@@ -289,7 +126,7 @@ def test_gpu_gemm_matches_reference_within_promotion_rounding():
 
 @pytest.mark.gpu
 def test_gpu_gemm_sync_free_and_graph_capturable():
-    from moekit.ops.fp8 import grouped_mm_fp8
+    from moekit.ops.fp8_gemm import grouped_mm_fp8
 
     _, _, a, b, offsets = _experts([700, 300, 24], 1024, 512, 256, "cuda")
     want = grouped_mm_fp8(a, b, offsets)
@@ -302,21 +139,8 @@ def test_gpu_gemm_sync_free_and_graph_capturable():
 # --- the FP8 weight gradient (ragged over the tokens) ----------------------------------------
 
 
-@interp
-@pytest.mark.parametrize("axis", ["col", "both"])
-def test_transposed_output(axis):
-    # the same quantization, stored [.., K, M] in the same pass
-    x = torch.randn(2, 200, 96) * 4
-    q, qt = quantize_fp8(x, axis=axis), quantize_fp8(x, axis=axis, transpose=True)
-    assert qt.transposed and qt.shape == x.shape and qt.data.shape == (2, 96, 200)
-    assert qt.data.is_contiguous() and _same(qt.data.transpose(-2, -1), q.data)
-    assert torch.equal(qt.scale, q.scale) and torch.equal(qt.dequantize(), q.dequantize())
-    with pytest.raises(ValueError, match="transpose applies to axis='col' or 'both'"):
-        quantize_fp8(x, transpose=True)
-
-
 def _check_wgrad(counts, T, M, N, device="cpu", tol=0.0):
-    from moekit.ops.fp8 import grouped_mm_fp8_wgrad
+    from moekit.ops.fp8_gemm import grouped_mm_fp8_wgrad
     from moekit.reference.fp8 import grouped_mm_fp8_wgrad_ref
 
     offsets = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
@@ -356,7 +180,7 @@ def test_wgrad_cpu_reference_path():
 
 
 def test_wgrad_bad_input():
-    from moekit.ops.fp8 import grouped_mm_fp8_wgrad
+    from moekit.ops.fp8_gemm import grouped_mm_fp8_wgrad
 
     dy, x = torch.randn(256, 32), torch.randn(256, 48)
     a = quantize_fp8(dy, axis="col", transpose=True)

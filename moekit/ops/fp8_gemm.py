@@ -1,187 +1,34 @@
-"""FP8 (e4m3) blockwise quantization: :func:`quantize_fp8` and the :class:`Fp8Tensor` it returns.
+"""The FP8 (e4m3) grouped GEMMs of the blockwise recipe: :func:`grouped_mm_fp8` (ragged M: the
+forward and, through the weight's transposed copy, the dgrad of an expert layer) and
+:func:`grouped_mm_fp8_wgrad` (ragged over the tokens: the weight gradient into fp32).
 
-The recipe of DeepSeek-V3 and TransformerEngine's ``Float8BlockScaling``: one fp32 scale per
-block of 1×128 (activations and output gradients, ``axis="row"``), 128×1 along the token
-dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
-``axis="both"``). The math and its edge cases (zero blocks, NaN, inf): :mod:`moekit.reference.fp8`.
-
-CUDA tensors run :mod:`moekit.kernels.fp8` (compute capability 8.9 or newer); CPU tensors the
-reference, or the kernel in Triton's interpreter with ``TRITON_INTERPRET=1``. Quantization is not
-differentiable: the FP8 GEMMs quantize inside their own autograd Functions.
+Operands are :class:`~moekit.ops.quantize.Fp8Tensor` from :func:`~moekit.ops.quantize.quantize_fp8`;
+each GEMM promotes its partial sums to fp32 once per 128 of the contracted dimension. CUDA
+tensors run :mod:`moekit.kernels.grouped_gemm`; CPU tensors the blockwise reference
+(:mod:`moekit.reference.fp8`), or the kernels in Triton's interpreter with ``TRITON_INTERPRET=1``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import torch
 
 from moekit.config import debug_checks
-from moekit.kernels import fp8 as kernels
 from moekit.kernels.grouped_gemm import grouped_mm_fp8_wgrad as wgrad_kernel
 from moekit.kernels.grouped_gemm import grouped_mm_ragged_m
+from moekit.ops.quantize import Fp8Tensor
 from moekit.ops.validation import (
     FLOAT_DTYPES,
-    check_dtype,
     check_fp8_device,
     check_offsets,
     check_offsets_values,
-    check_tensor,
 )
-from moekit.reference.fp8 import (
-    dequantize_fp8_ref,
-    grouped_mm_fp8_ref,
-    grouped_mm_fp8_wgrad_ref,
-    quantize_fp8_ref,
-    scale_shape,
-)
+from moekit.reference.fp8 import grouped_mm_fp8_ref, grouped_mm_fp8_wgrad_ref
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.tuning.fp8 import quantize_config
 from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
-__all__ = [
-    "AXES",
-    "BLOCKS",
-    "Fp8Tensor",
-    "grouped_mm_fp8",
-    "grouped_mm_fp8_wgrad",
-    "quantize_fp8",
-]
-
-AXES = ("row", "col", "both")
-BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
-
-
-@dataclasses.dataclass(frozen=True)
-class Fp8Tensor:
-    """A tensor quantized blockwise to e4m3: ``x ≈ data · scale``, each scale spread over its
-    block.
-
-    ``data``: e4m3 (``torch.float8_e4m3fn``), the shape of the source (its last two dims
-    swapped when ``transposed``).
-    ``scale``: fp32 dequantization factors (a block's amax / 448, or the next power of two up),
-    of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for data
-    [..., M, K] and ``block`` B.
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor
-    axis: str  # "row" (1×B blocks), "col" (B×1 along dim -2) or "both" (B×B)
-    block: int
-    # data stored transposed in its last two dims ([..., K, M], contiguous): the layout a GEMM
-    # that contracts over M wants (the wgrad's operands, M the tokens); scale as for x
-    transposed: bool = False
-
-    @property
-    def shape(self) -> torch.Size:
-        """The shape of the quantized tensor x (``data``'s, transposed back)."""
-        if self.transposed:
-            return torch.Size((*self.data.shape[:-2], self.data.shape[-1], self.data.shape[-2]))
-        return self.data.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """``data · scale`` (computed in fp32) in ``dtype``."""
-        data = self.data.transpose(-2, -1) if self.transposed else self.data
-        return dequantize_fp8_ref(data, self.scale, self.axis, self.block).to(dtype)
-
-    def t(self) -> Fp8Tensor:
-        """The transpose of the last two dims, stored contiguous (e.g. a weight [E, N, K] as
-        [E, K, N], the operand of its dgrad). Only for B×B blocks, whose scales transpose
-        with the data: no second quantization, the same values."""
-        if self.axis != "both" or self.transposed:
-            raise ValueError(
-                "only an Fp8Tensor with axis='both' stored untransposed transposes as it is, got "
-                f"axis={self.axis!r}, transposed={self.transposed}"
-            )
-        data = self.data.transpose(-2, -1).contiguous()
-        return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
-
-
-def _quantize_fake(x, axis, block, pow2_scale, transpose):
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
-    data = x.new_empty(shape, dtype=torch.float8_e4m3fn)
-    return data, x.new_empty(scale_shape(x.shape, axis, block), dtype=torch.float32)
-
-
-@kernel_op("quantize_fp8", fake=_quantize_fake)
-def _quantize(
-    x: torch.Tensor, axis: str, block: int, pow2_scale: bool, transpose: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data, scale) of a checked call."""
-    if not use_triton(x):
-        data, scale = quantize_fp8_ref(x, axis, block, pow2_scale)
-        return (data.transpose(-2, -1).contiguous() if transpose else data), scale
-    data, scale = _quantize_fake(x, axis, block, pow2_scale, transpose)
-    # [B, M, K]: for row blocks every row in M (a tile takes several), else the batch in B
-    lead = math.prod(x.shape[:-1] if axis == "row" else x.shape[:-2])
-    x3 = x.reshape(1, lead, x.shape[-1]) if axis == "row" else x.reshape(lead, *x.shape[-2:])
-    d3 = data.view(torch.uint8)
-    d3 = d3.view(lead, x3.shape[2], x3.shape[1]).transpose(1, 2) if transpose else d3.view(x3.shape)
-    s3 = scale.view(x3.shape[0], x3.shape[1] if axis == "row" else scale.shape[-2], scale.shape[-1])
-    cfg = quantize_config(axis, block)
-    per_row, per_col = axis == "row", axis == "col"
-    key = None
-    if x.is_cuda:
-        # d3's strides tell a transposed output apart
-        key = ("quantize_fp8", axis, block, pow2_scale, *map(tensor_key, (x3, d3, s3)))
-    if x3.numel():
-        replayed(
-            key, (x3, d3, s3),
-            lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg),
-        )  # fmt: skip
-    return data, scale
-
-
-def quantize_fp8(
-    x: torch.Tensor,
-    *,
-    axis: str = "row",
-    block: int = 128,
-    pow2_scale: bool = False,
-    transpose: bool = False,
-) -> Fp8Tensor:
-    """Quantize ``x`` blockwise to e4m3 with one fp32 scale per block.
-
-    Args:
-        x: [..., K] for ``axis="row"`` (1×``block`` blocks along K), [..., M, K] for ``"col"``
-            (``block``×1 blocks along M) and ``"both"`` (``block``×``block``, e.g. a weight
-            [E, N, K]); bf16, fp16 or fp32, any strides. Edge blocks may be partial.
-        axis: which blocks, as above.
-        block: the block side, one of 16, 32, 64, 128 (the recipe's).
-        pow2_scale: round each scale up to a power of two (dequantization then only shifts
-            exponents; the values lose up to one bit of range use).
-        transpose: store ``data`` transposed in its last two dims (``"col"`` and ``"both"``):
-            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands).
-
-    Returns:
-        :class:`Fp8Tensor` with ``data`` (x's shape, e4m3) and ``scale`` (fp32). Not
-        differentiable (x's gradient is not tracked through it).
-    """
-    x = check_tensor("x", x)
-    check_dtype("x", x, FLOAT_DTYPES)
-    if axis not in AXES:
-        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
-    need = 1 if axis == "row" else 2
-    if x.dim() < need:
-        shape = "[..., K]" if need == 1 else "[..., M, K]"
-        raise ValueError(f"x must be {shape} for axis={axis!r}, got shape {tuple(x.shape)}")
-    if isinstance(block, bool) or block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-    for name, flag in (("pow2_scale", pow2_scale), ("transpose", transpose)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if transpose and axis == "row":
-        raise ValueError("transpose applies to axis='col' or 'both', got axis='row'")
-    check_fp8_device("x", x)
-    data, scale = _quantize(x.detach(), axis, block, pow2_scale, transpose)
-    return Fp8Tensor(data, scale, axis, block, transpose)
+__all__ = ["grouped_mm_fp8", "grouped_mm_fp8_wgrad"]
 
 
 def _ragged_m_fp8_fake(a, sa, b, sb, offsets, block, out_dtype):
