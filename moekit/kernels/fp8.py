@@ -19,7 +19,7 @@ import triton.language as tl
 from moekit.runtime.replay import launch
 from moekit.tuning.fp8 import QuantizeConfig
 
-__all__ = ["quantize_fp8"]
+__all__ = ["e4m3_bytes", "e4m3_scale", "quantize_fp8"]
 
 
 @triton.jit
@@ -38,8 +38,29 @@ def _e4m3_byte(q):
 
 
 @triton.jit
+def e4m3_scale(amax, POW2: tl.constexpr):
+    """The dequantization factor of a block of absolute maximum ``amax`` (fp32): amax / 448
+    (IEEE division), 1 for an all-zero block, rounded up to a power of two with POW2."""
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
+    if POW2:
+        sb = scale.to(tl.int32, bitcast=True)
+        up = (sb & 0x7F800000) + (1 << 23)
+        scale = tl.where((sb & 0x7FFFFF) != 0, up, sb).to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def e4m3_bytes(x, scale):
+    """The e4m3 bytes (uint8) of fp32 ``x / scale``, clamped to ±448; NaN (a NaN entry, or
+    inf / inf) as e4m3's NaN byte 0x7F."""
+    q = tl.math.div_rn(x, scale)
+    return tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
+
+
+@triton.jit
 def _quantize_fp8_kernel(
     x_ptr, q_ptr, s_ptr,  # pointers: x [B, M, K], q [B, M, K] uint8 (e4m3 bytes), s fp32
+    rows_ptr,  # GATHER: [M] int32, row m of the quantized tensor is x row rows[m] (−1: zeros)
     M, K,  # sizes
     stride_x_b, stride_x_m, stride_x_k,  # strides (elements)
     stride_q_b, stride_q_m, stride_q_k,
@@ -47,6 +68,7 @@ def _quantize_fp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,  # meta: the tile
     PER_ROW: tl.constexpr, PER_COL: tl.constexpr,  # a scale per tile row / per tile column
     POW2: tl.constexpr,  # scales rounded up to powers of two
+    GATHER: tl.constexpr = False,
 ):  # fmt: skip
     """scale = amax/448 over each block (NaN left out, 1 for an all-zero block); q = e4m3(x /
     scale). The scale of row m, tile column kb lives at s[b, m, kb] (PER_ROW); of tile row mb,
@@ -55,20 +77,20 @@ def _quantize_fp8_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    xp = x_ptr + b * stride_x_b + rows[:, None] * stride_x_m + cols[None, :] * stride_x_k
-    x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+    if GATHER:  # e.g. permuted rows quantized along the tokens straight from the tokens
+        src = tl.load(rows_ptr + rows, mask=rows < M, other=-1).to(tl.int64)
+        xp = x_ptr + src[:, None] * stride_x_m + cols[None, :] * stride_x_k
+        x = tl.load(xp, mask=mask & (src >= 0)[:, None], other=0.0).to(tl.float32)
+    else:
+        xp = x_ptr + b * stride_x_b + rows[:, None] * stride_x_m + cols[None, :] * stride_x_k
+        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
     mag = tl.where(x == x, tl.abs(x), 0.0)
     if not PER_ROW:  # one scale per column or per tile: reduce over the rows
         mag = tl.max(mag, axis=0, keep_dims=True)  # [1, BLOCK_K]
     if not PER_COL:
         mag = tl.max(mag, axis=1, keep_dims=True)  # [BLOCK_M or 1, 1]
-    scale = tl.where(mag > 0, tl.math.div_rn(mag, 448.0), 1.0)
-    if POW2:
-        sb = scale.to(tl.int32, bitcast=True)
-        up = (sb & 0x7F800000) + (1 << 23)
-        scale = tl.where((sb & 0x7FFFFF) != 0, up, sb).to(tl.float32, bitcast=True)
-    q = tl.math.div_rn(x, scale)  # NaN for a NaN entry and for inf / inf
-    byte = tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
+    scale = e4m3_scale(mag, POW2)
+    byte = e4m3_bytes(x, scale)
     qp = q_ptr + b * stride_q_b + rows[:, None] * stride_q_m + cols[None, :] * stride_q_k
     tl.store(qp, byte, mask=mask)
     sp = s_ptr + b * stride_s_b
@@ -85,19 +107,21 @@ def _quantize_fp8_kernel(
 
 
 def quantize_fp8(
-    x: torch.Tensor,  # [B, M, K] bf16 / fp16 / fp32, any strides
+    x: torch.Tensor,  # [B, M, K] bf16 / fp16 / fp32, any strides ([1, S, K] with rows)
     data: torch.Tensor,  # [B, M, K] uint8 view of the e4m3 output
     scale: torch.Tensor,  # [B, M, ⌈K/BK⌉] per row, [B, ⌈M/BM⌉, K] per col, else [B, ⌈M/BM⌉, ⌈K/BK⌉]
     per_row: bool,
     per_col: bool,
     pow2: bool,
     cfg: QuantizeConfig,
+    rows: torch.Tensor | None = None,  # [M] int32: quantize x[0, rows[m]] as row m (−1: zeros)
 ) -> None:
     """Launch the quantization of x into ``data`` and ``scale`` (tile sides from ``cfg``)."""
-    B, M, K = x.shape
+    B, M, K = data.shape
     grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_k), B)
     launch(
-        _quantize_fp8_kernel, grid, x, data, scale, M, K, *x.stride(), *data.stride(),
-        *scale.stride(), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PER_ROW=per_row,
-        PER_COL=per_col, POW2=pow2, num_warps=cfg.num_warps,
+        _quantize_fp8_kernel, grid, x, data, scale, rows if rows is not None else scale, M, K,
+        *x.stride(), *data.stride(), *scale.stride(), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        PER_ROW=per_row, PER_COL=per_col, POW2=pow2, GATHER=rows is not None,
+        num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -47,15 +47,19 @@ ops.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
 
+from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale
 from moekit.runtime.intmath import cdiv, next_power_of_2
 from moekit.runtime.replay import launch
 from moekit.tuning.permute import CopyConfig, MetaConfig
 
 __all__ = [
+    "QUANT_BLOCK",
     "gather_rows",
     "metadata_blocks",
     "metadata_scratch_numel",
@@ -67,6 +71,7 @@ __all__ = [
 # Rows per zero-fill program of the tail, and of an expert's padding (its bound is align − 1).
 _TAIL_ROWS = 64
 _PAD_CHUNK = 16
+QUANT_BLOCK = 128  # the FP8 recipe's 1×128 activation blocks
 
 
 @triton.jit
@@ -293,14 +298,22 @@ def sort_chunks_row_map(
 def _zero_rows(
     out_ptr, out_vals_ptr, row_lo, row_hi, H, stride_out_r,  # row_lo: int64
     HAS_VALS: tl.constexpr, ZR: tl.constexpr, BLOCK_H: tl.constexpr,
+    scale_ptr=None, stride_scale_r=0, NB=0, QUANT: tl.constexpr = False,
 ):  # fmt: skip
-    """out[row_lo:row_hi, :] = 0 and out_vals[row_lo:row_hi] = 0, ZR rows at a time."""
+    """out[row_lo:row_hi, :] = 0 and out_vals[row_lo:row_hi] = 0, ZR rows at a time (QUANT:
+    the rows' NB scales too)."""
     hx = tl.arange(0, BLOCK_H)
     for r0 in range(row_lo, row_hi, ZR):
         rows = r0 + tl.arange(0, ZR)
         r_mask = rows < row_hi
         if HAS_VALS:
             tl.store(out_vals_ptr + rows, tl.zeros((ZR,), dtype=tl.float32), mask=r_mask)
+        if QUANT:
+            for b0 in range(0, NB, BLOCK_H):
+                b = b0 + hx
+                ptrs = scale_ptr + rows[:, None] * stride_scale_r + b[None, :]
+                tl.store(ptrs, tl.zeros((ZR, BLOCK_H), dtype=tl.float32),
+                         mask=r_mask[:, None] & (b < NB)[None, :])  # fmt: skip
         zeros = tl.zeros((ZR, BLOCK_H), dtype=out_ptr.dtype.element_ty)
         for h0 in range(0, H, BLOCK_H):
             h = h0 + hx
@@ -393,6 +406,39 @@ def _scatter_token(
 
 
 @triton.jit
+def _scatter_token_fp8(
+    t, x_ptr, row_index_ptr, slot_vals_ptr, out_ptr, out_vals_ptr, scale_ptr, H, R, NB,
+    stride_x_t, stride_out_r, stride_scale_r, K: tl.constexpr, K_PAD: tl.constexpr,
+    COPY_VALS: tl.constexpr, BLOCK_H: tl.constexpr, QBLOCK: tl.constexpr, POW2: tl.constexpr,
+):  # fmt: skip
+    """One token of ``_scatter_rows_kernel`` with QUANT: x[t] quantized once per 1×QBLOCK
+    block (e4m3 bytes and the block's scale, as :mod:`moekit.kernels.fp8` computes them), then
+    written to its k rows; its slot values (COPY_VALS) to theirs."""
+    G: tl.constexpr = BLOCK_H // QBLOCK
+    hx = tl.arange(0, BLOCK_H)
+    gx = tl.arange(0, G)
+    kx, k_mask, rows, r_mask = _token_rows(row_index_ptr, t, R, K, K_PAD)
+    out_rows = out_ptr + rows[:, None] * stride_out_r
+    scale_rows = scale_ptr + rows[:, None] * stride_scale_r
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + hx
+        h_mask = h < H
+        x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0).to(tl.float32)
+        xg = tl.reshape(x, (G, QBLOCK))
+        amax = tl.max(tl.where(xg == xg, tl.abs(xg), 0.0), axis=1)
+        scale = e4m3_scale(amax, POW2)  # [G]
+        byte = tl.reshape(e4m3_bytes(xg, scale[:, None]), (BLOCK_H,))
+        y = tl.broadcast_to(byte[None, :], (K_PAD, BLOCK_H))
+        tl.store(out_rows + h[None, :], y, mask=r_mask[:, None] & h_mask[None, :])
+        b = h0 // QBLOCK + gx
+        tl.store(scale_rows + b[None, :], tl.broadcast_to(scale[None, :], (K_PAD, G)),
+                 mask=r_mask[:, None] & (b < NB)[None, :])  # fmt: skip
+    if COPY_VALS:
+        v = tl.load(slot_vals_ptr + t * K + kx, mask=k_mask, other=0.0)
+        tl.store(out_vals_ptr + rows, v, mask=r_mask)
+
+
+@triton.jit
 def _scatter_rows_kernel(
     # pointers: x [T, H] (hidden, or grad of the combined output), row_index [T, K] int32
     # (−1 = dropped), slot_vals [T, K] (COPY_VALS), row_w [R] (WEIGHTED), dot [R, H] (DOT)
@@ -409,9 +455,12 @@ def _scatter_rows_kernel(
     PAD_PROGRAMS: tl.constexpr, PAD_SPLIT: tl.constexpr, PAD_CHUNK: tl.constexpr,
     TAIL_PROGRAMS, TAIL_ROWS: tl.constexpr, ZR: tl.constexpr,
     BLOCK_H: tl.constexpr, LOOP_K: tl.constexpr, EVICT: tl.constexpr,  # CopyConfig
+    # QUANT: out holds e4m3 bytes and scale [R, NB] fp32 one scale per 1×QBLOCK block
+    scale_ptr=None, stride_scale_r=0, NB=0,
+    QUANT: tl.constexpr = False, QBLOCK: tl.constexpr = 128, POW2: tl.constexpr = False,
 ):  # fmt: skip
     """Token programs:  for each slot s of token t with r = row_index[t, s] in [0, R):
-        out[r] = x[t] · (row_w[r] if WEIGHTED else 1)
+        out[r] = x[t] · (row_w[r] if WEIGHTED else 1)   (QUANT: e4m3(x[t]), scale[r])
         out_vals[r] = slot_vals[t, s]                       (COPY_VALS)
         out_vals[r] = Σ_h x[t, h] · dot[r, h]  (fp32)        (DOT)
     Before them: PAD_PROGRAMS programs zeroing rows [start_e + tokens_per_expert[e], end_e) of
@@ -433,14 +482,23 @@ def _scatter_rows_kernel(
         # The metadata keeps offsets within R; the bound here keeps a caller's larger offsets
         # from turning into writes past the output.
         hi = tl.minimum(hi, R)
-        _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
+        _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H,
+                   scale_ptr, stride_scale_r, NB, QUANT)  # fmt: skip
     elif pid < PAD_PROGRAMS + TAIL_PROGRAMS:
         lo = tail_lo + (pid - PAD_PROGRAMS).to(tl.int64) * TAIL_ROWS
         hi = tl.minimum(lo + TAIL_ROWS, R)
         tail_start = tl.load(offsets_ptr + E - 1).to(tl.int64)
         lo = tl.maximum(lo, tail_start)
         if lo < hi:
-            _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H)
+            _zero_rows(out_ptr, out_vals_ptr, lo, hi, H, stride_out_r, HAS_VALS, ZR, BLOCK_H,
+                       scale_ptr, stride_scale_r, NB, QUANT)  # fmt: skip
+    elif QUANT:
+        t = (pid - PAD_PROGRAMS - TAIL_PROGRAMS).to(tl.int64)
+        _scatter_token_fp8(
+            t, x_ptr, row_index_ptr, slot_vals_ptr, out_ptr, out_vals_ptr, scale_ptr, H, R, NB,
+            stride_x_t, stride_out_r, stride_scale_r, K, K_PAD, COPY_VALS, BLOCK_H, QBLOCK,
+            POW2,
+        )  # fmt: skip
     else:
         t = (pid - PAD_PROGRAMS - TAIL_PROGRAMS).to(tl.int64)
         _scatter_token(
@@ -519,10 +577,14 @@ def scatter_rows(
     dot_src: torch.Tensor | None = None,  # [R, H] → out_vals[R] = rowwise dot with x[t]
     align: int = 1,  # segments padded to this many rows: their padding rows are zeroed
     tail_lo: int = 0,  # static lower bound of offsets[E-1]; rows [offsets[E-1], R) are zeroed
+    scale: torch.Tensor | None = None,  # [R, ⌈H/128⌉] fp32: quantize, out the uint8 bytes
+    pow2: bool = False,  # with scale: power-of-two scales
 ) -> None:
     """Write each token's row to its k destinations (reading it once); zero padding and tail rows.
 
-    ``offsets`` and ``tokens_per_expert`` may be None only with ``align == 1`` and
+    With ``scale``, the rows are written quantized to e4m3 (``out`` a uint8 view) with one
+    scale per 1×128 block, each token quantized once; padding and tail rows get zero bytes and
+    zero scales. ``offsets`` and ``tokens_per_expert`` may be None only with ``align == 1`` and
     ``tail_lo >= R`` (every row is written, e.g. a permutation).
     """
     T, H = x.shape
@@ -536,6 +598,12 @@ def scatter_rows(
     if grid[0] == 0:
         return
     dummy = out  # never dereferenced when its flag is off
+    fp8 = {}
+    if scale is not None:  # whole 1×128 blocks per step
+        block_h = max(config.block_h, QUANT_BLOCK)
+        fp8 = dict(scale_ptr=scale, stride_scale_r=scale.stride(0), NB=scale.shape[1],
+                   QUANT=True, QBLOCK=QUANT_BLOCK, POW2=pow2)  # fmt: skip
+        config = dataclasses.replace(config, block_h=block_h)
     launch(
         _scatter_rows_kernel, grid,
         x, row_index,
@@ -549,7 +617,7 @@ def scatter_rows(
         PAD_PROGRAMS=pad_n, PAD_SPLIT=pad_split, PAD_CHUNK=_PAD_CHUNK,
         TAIL_PROGRAMS=tail_n, TAIL_ROWS=_TAIL_ROWS, ZR=config.zero_rows,
         BLOCK_H=config.block_h, LOOP_K=config.loop_k, EVICT=_evict(config),
-        num_warps=config.num_warps,
+        num_warps=config.num_warps, **fp8,
     )  # fmt: skip
 
 

@@ -668,56 +668,6 @@ def _check_optional(name, t, shape, ref) -> None:
     v.check_dtype(name, t, v.FLOAT_DTYPES)
 
 
-def _check_weights(x, w1, w2, act: Activation) -> None:
-    v.check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
-    v.check_ndim("w2", w2, 3, "[E, H, F]")
-    for name, w in (("w1", w1), ("w2", w2)):
-        if w.dtype != x.dtype:
-            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
-        v.check_same_device(name, w, "x", x)
-    H = x.shape[1]
-    E, W1, H1 = w1.shape
-    F_ = w2.shape[2]
-    if H1 != H or w2.shape[1] != H:
-        raise ValueError(
-            f"w1.shape[2] and w2.shape[1] must equal H = x.shape[1] = {H}, got w1 "
-            f"{tuple(w1.shape)}, w2 {tuple(w2.shape)}"
-        )
-    if w2.shape[0] != E:
-        raise ValueError(f"w1 and w2 must hold the same E experts, got {E} and {w2.shape[0]}")
-    if act.gated:
-        if W1 % 2:
-            raise ValueError(
-                f"w1.shape[1] must be even for gated activation {act.name!r} ([gate | up]), "
-                f"got {W1}"
-            )
-        if W1 != 2 * F_:
-            raise ValueError(
-                f"w1.shape[1] must be 2 * F = {2 * F_} for gated activation {act.name!r} "
-                f"(F = w2.shape[2]), got {W1}"
-            )
-    elif W1 != F_:
-        raise ValueError(
-            f"w1.shape[1] must equal F = w2.shape[2] = {F_} for activation {act.name!r}, got {W1}"
-        )
-
-
-def _check_interleave(glu_interleave: object, act: Activation, F_: int) -> None:
-    if glu_interleave is None:
-        return
-    if not act.gated:
-        raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
-    if (
-        isinstance(glu_interleave, bool)
-        or not isinstance(glu_interleave, int)
-        or glu_interleave <= 0
-        or F_ % glu_interleave
-    ):
-        raise ValueError(
-            f"glu_interleave must be a positive integer dividing F = {F_}, got {glu_interleave!r}"
-        )
-
-
 def _fused_unsupported(x: torch.Tensor, F_: int, interleave: int | None) -> str | None:
     """Why the fused kernels cannot run this configuration (None if they can)."""
     if (F_ * x.element_size()) % 16:
@@ -745,10 +695,10 @@ def _make_plan(x, offsets, w1, w2, probs, b1, b2, activation, glu_interleave, re
     v.check_ndim("x", x, 2, "[R, H]")
     v.check_dtype("x", x, v.FLOAT_DTYPES)
     act = resolve_activation(activation)
-    _check_weights(x, w1, w2, act)
+    v.check_mlp_weights(x, w1, w2, act)
     R, H = x.shape
     E, W1, _ = w1.shape
-    _check_interleave(glu_interleave, act, w2.shape[2])
+    v.check_interleave(glu_interleave, act, w2.shape[2])
     v.check_offsets(offsets, E, "x", x, "w1.shape[0]")
     v.check_byte_aligned("x", H, x.dtype, "H (x.shape[1])")
     v.check_interpretable("x", x)

@@ -9,10 +9,9 @@ by the routing probs. Both are differentiable w.r.t. the activations and the pro
 never reads anything back to the host (unless ``out_rows="exact"`` is asked for), so a whole MoE
 block can be captured in a CUDA graph. See docs/permute.md.
 
-Wrapping (:mod:`moekit.runtime.op`): the row copies are the kernel ops
-``moekit::permute_scatter`` and ``moekit::permute_gather`` (the metadata is
-``moekit::routing_metadata``, in :mod:`moekit.ops.routing`); each picks the Triton kernels or the
-PyTorch reference by device. The autograd Functions call only those and torch ops, so the ops
+Wrapping (:mod:`moekit.runtime.op`): the row copies are the kernel ops of
+:mod:`moekit.ops.permute_rows` (the metadata is ``moekit::routing_metadata``, in
+:mod:`moekit.ops.routing`). The autograd Functions call only those and torch ops, so the ops
 trace under ``torch.compile``.
 """
 
@@ -26,13 +25,16 @@ from typing import Literal
 import torch
 
 from moekit.config import debug_checks
-from moekit.kernels import permute as kernels
+from moekit.kernels.permute import QUANT_BLOCK
+from moekit.ops.permute_rows import gather, scatter, scatter_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, stand_in
 from moekit.ops.routing import (
     capacity_drop,
     expert_capacity,
     max_rows,
     routing_map_to_indices,
     routing_metadata,
+    row_tokens,
     slot_values,
     sort_chunks_row_map,
 )
@@ -46,11 +48,7 @@ from moekit.ops.validation import (
     check_tensor,
     values_on_host,
 )
-from moekit.reference.permute import gather_rows_torch, scatter_rows_torch
-from moekit.runtime.device import use_triton
-from moekit.runtime.op import function_apply, kernel_op, needs_grad, refuse_double_backward
-from moekit.runtime.replay import replayed, tensor_key
-from moekit.tuning.permute import copy_config
+from moekit.runtime.op import function_apply, needs_grad, refuse_double_backward
 
 __all__ = [
     "SUPPORTED_ALIGNS",
@@ -89,7 +87,8 @@ class Dispatch:
     ``torch._grouped_mm``); rows past ``offsets[-1]`` are zero.
     """
 
-    hidden: torch.Tensor  # [R, H] rows grouped by expert; padding and tail rows are zero
+    # [R, H] rows grouped by expert; padding and tail rows are zero (an Fp8Tensor with FP8)
+    hidden: torch.Tensor | Fp8Tensor
     probs: torch.Tensor | None  # [R] prob of each row (dtype of the probs given), 0 for padding
     # [E] int32 rows of expert e's segment: ceil(tokens_per_expert[e] / align)·align, or fewer
     # for a segment cut at num_rows
@@ -131,116 +130,6 @@ class DispatchConfig:
             expert_capacity(self.capacity_factor, 1, 1, 1, 1)  # its checks of the factor
 
 
-def _dtype(t: torch.Tensor | None) -> torch.dtype | None:
-    return None if t is None else t.dtype
-
-
-def _scatter_fake(
-    x, row_index, offsets, tpe, slot_vals, row_weight, dot_src, R, align, tail_lo, dt
-):
-    has_vals = slot_vals is not None or dot_src is not None
-    return x.new_empty(R, x.shape[1]), x.new_empty(R if has_vals else 0, dtype=dt)
-
-
-@kernel_op("permute_scatter", fake=_scatter_fake)
-def scatter(
-    x: torch.Tensor,  # [T, H] unit stride along H
-    row_index: torch.Tensor,  # [T, k] int32 contiguous
-    offsets: torch.Tensor | None,  # [E] int32 (None: every row is written)
-    tokens_per_expert: torch.Tensor | None,  # [E] int32 (None likewise)
-    slot_vals: torch.Tensor | None,  # [T, k] contiguous → vals
-    row_weight: torch.Tensor | None,  # [R] contiguous: rows scaled by it
-    dot_src: torch.Tensor | None,  # [R, H] → vals[r] = <x[t], dot_src[r]>
-    num_rows: int,  # R
-    align: int,  # padding rows of each segment are zeroed
-    tail_lo: int,  # static lower bound of offsets[-1]
-    vals_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:  # rows [R, H], vals [R] (or [0] without vals)
-    """Each token's row to its k rows; padding and tail rows zero (``scatter_rows_torch``)."""
-    has_vals = slot_vals is not None or dot_src is not None
-    if not use_triton(x):
-        out, vals = scatter_rows_torch(x, row_index, num_rows, slot_vals, row_weight, dot_src)
-        return out, vals.to(vals_dtype) if has_vals else x.new_empty(0, dtype=vals_dtype)
-    H = x.shape[1]
-    out = torch.empty(num_rows, H, dtype=x.dtype, device=x.device)
-    vals = torch.empty(num_rows if has_vals else 0, dtype=vals_dtype, device=x.device)
-    out_vals = vals if has_vals else None
-    roles = (
-        x, row_index, offsets, tokens_per_expert, slot_vals, row_weight, dot_src, out, out_vals,
-    )  # fmt: skip
-    key = None
-    if x.is_cuda:
-        # The other tensors are contiguous with shapes set by these (and the outputs fresh):
-        # their dtypes and presence complete the key.
-        key = (
-            "permute_scatter", align, tail_lo, num_rows, vals_dtype, tensor_key(x),
-            row_index.shape, None if offsets is None else offsets.shape,
-            _dtype(slot_vals), _dtype(row_weight), tensor_key(dot_src),
-        )  # fmt: skip
-
-    def body() -> None:  # not run when the launches are replayed: config choice included
-        config = copy_config("scatter", row_index.shape[1], H, dot=dot_src is not None)
-        kernels.scatter_rows(
-            x, row_index, offsets, tokens_per_expert, out, out_vals, config,
-            slot_vals=slot_vals, row_weight=row_weight, dot_src=dot_src, align=align,
-            tail_lo=tail_lo,
-        )  # fmt: skip
-
-    replayed(key, roles, body)
-    return out, vals
-
-
-def _gather_fake(src, row_index, row_weight, row_vals, lead):
-    T, k = row_index.shape
-    out = src.new_empty(*lead, src.shape[1])
-    if row_vals is None:
-        return out, src.new_empty(0)
-    return out, row_vals.new_empty(T, k)
-
-
-@kernel_op("permute_gather", fake=_gather_fake)
-def gather(
-    src: torch.Tensor,  # [R, H] unit stride along H
-    row_index: torch.Tensor,  # [T, k] int32 contiguous
-    row_weight: torch.Tensor | None,  # [R] contiguous
-    row_vals: torch.Tensor | None,  # [R] contiguous → vals
-    lead: list[int],  # out's leading shape, of T elements ([T] for [T, H])
-) -> tuple[torch.Tensor, torch.Tensor]:  # out [*lead, H], vals [T, k] (or [0] without row_vals)
-    """Sum of each token's k rows in fp32, weighted by ``row_weight``; ``vals[t, s] =
-    row_vals[row_index[t, s]]`` (0 where dropped). ``out`` is allocated in the shape
-    ``[*lead, H]`` (a tensor of its own, not a view: callers may hand it out as is)."""
-    T, k = row_index.shape
-    H = src.shape[1]
-    if not use_triton(src):
-        vals = slot_values(row_vals, row_index) if row_vals is not None else src.new_empty(0)
-        rows = gather_rows_torch(src, row_index, row_weight)
-        if len(lead) == 1:
-            return rows, vals
-        out = src.new_empty(*lead, H)
-        out.view(T, H).copy_(rows)
-        return out, vals
-    full = torch.empty(*lead, H, dtype=src.dtype, device=src.device)
-    out = full.view(T, H)
-    vals = src.new_empty(0) if row_vals is None else row_vals.new_empty(T, k)
-    out_vals = vals if row_vals is not None else None
-    roles = (src, row_index, row_weight, row_vals, out, out_vals)
-    key = None
-    if src.is_cuda:  # as in scatter: the rest is contiguous, shaped by these
-        key = (
-            "permute_gather", tensor_key(src), row_index.shape, _dtype(row_weight),
-            _dtype(row_vals),
-        )  # fmt: skip
-
-    def body() -> None:
-        config = copy_config("gather", k, src.shape[1])
-        kernels.gather_rows(
-            src, row_index, out, config, row_weight=row_weight, row_vals=row_vals, out_vals=out_vals
-        )
-
-    replayed(key, roles, body)
-    return full, vals
-
-
 def _rowmajor(t: torch.Tensor) -> torch.Tensor:
     # Incoming gradients may be expanded or strided; the kernels need unit stride along H.
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -274,27 +163,70 @@ class _PermuteFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_probs):
-        refuse_double_backward("permute")
-        row_index = ctx.row_index
-        need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not need_p or grad_probs is None:
-            grad_probs = None
-        else:
-            grad_probs = grad_probs.contiguous()  # the gather reads it by row index
-        grad_hidden = grad_slot = None
-        if need_h and grad_out is not None:
-            # Permute's adjoint is the unweighted combine; dprobs rides along in the same pass.
-            grad_hidden, vals = gather(
-                _rowmajor(grad_out), row_index, None, grad_probs, [row_index.shape[0]]
-            )
-            grad_slot = vals if grad_probs is not None else None
-        else:
-            if need_h:
-                shape, dtype = ctx.hidden_meta
-                grad_hidden = torch.zeros(shape, dtype=dtype, device=row_index.device)
-            if grad_probs is not None:
-                grad_slot = slot_values(grad_probs, row_index)
-        return grad_hidden, grad_slot, None, None, None, None, None, None
+        return (*_permute_grads(ctx, grad_out, grad_probs), None, None, None, None, None, None)
+
+
+def _permute_grads(ctx, grad_out, grad_probs) -> tuple:
+    """(grad of the tokens [T, H], grad of the slot probs [T, k]) of a permute's backward:
+    permute's adjoint is the unweighted combine; dprobs rides along in the same pass."""
+    refuse_double_backward("permute")
+    row_index = ctx.row_index
+    need_h, need_p = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if not need_p or grad_probs is None:
+        grad_probs = None
+    else:
+        grad_probs = grad_probs.contiguous()  # the gather reads it by row index
+    grad_hidden = grad_slot = None
+    if need_h and grad_out is not None:
+        grad_hidden, vals = gather(
+            _rowmajor(grad_out), row_index, None, grad_probs, [row_index.shape[0]]
+        )
+        grad_slot = vals if grad_probs is not None else None
+    else:
+        if need_h:
+            shape, dtype = ctx.hidden_meta
+            grad_hidden = torch.zeros(shape, dtype=dtype, device=row_index.device)
+        if grad_probs is not None:
+            grad_slot = slot_values(grad_probs, row_index)
+    return grad_hidden, grad_slot
+
+
+def _permute_fp8_rows(hidden, probs, row_index, offsets, tpe, num_rows, align, tail_lo, payload):
+    """(data, scale, row probs) of an FP8 permute: ``hidden`` quantized on the way (payload
+    None, or the pow2 flag) or an Fp8Tensor's (data, scale) moved as they are."""
+    if not isinstance(payload, tuple):
+        return scatter_fp8(hidden, row_index, offsets, tpe, probs, num_rows, align, tail_lo,
+                           payload)  # fmt: skip
+    data, scale = payload
+    vals_dtype = probs.dtype if probs is not None else scale.dtype
+    bytes_, vals = scatter(
+        data.view(torch.uint8), row_index, offsets, tpe, probs, None, None, num_rows, align,
+        tail_lo, vals_dtype,
+    )  # fmt: skip
+    scales, _ = scatter(scale, row_index, offsets, tpe, None, None, None, num_rows, align,
+                        tail_lo, scale.dtype)  # fmt: skip
+    return bytes_.view(torch.float8_e4m3fn), scales, vals
+
+
+class _PermuteFp8Fn(torch.autograd.Function):
+    """hidden [T, H] (bf16 tokens, or the anchor of their Fp8Tensor) → (the rows' anchor
+    [R, H], row probs [R], e4m3 rows, their scales): the gradient reaching the rows' anchor
+    is summed back to the tokens as in a bf16 permute."""
+
+    @staticmethod
+    def forward(ctx, hidden, probs, row_index, offsets, tpe, num_rows, align, tail_lo, payload):
+        ctx.set_materialize_grads(False)
+        ctx.row_index = row_index
+        ctx.hidden_meta = (tuple(hidden.shape), hidden.dtype)
+        data, scale, vals = _permute_fp8_rows(
+            hidden, probs, row_index, offsets, tpe, num_rows, align, tail_lo, payload
+        )
+        ctx.mark_non_differentiable(data, scale)
+        return stand_in(hidden, (num_rows, hidden.shape[1])), vals, data, scale
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_probs, _data, _scale):
+        return (*_permute_grads(ctx, grad_rows, grad_probs), *(None,) * 7)
 
 
 class _UnpermuteFn(torch.autograd.Function):
@@ -334,6 +266,7 @@ class _UnpermuteFn(torch.autograd.Function):
 
 
 _apply_permute = function_apply(_PermuteFn)
+_apply_permute_fp8 = function_apply(_PermuteFp8Fn)
 _apply_unpermute = function_apply(_UnpermuteFn)
 
 
@@ -449,6 +382,71 @@ def _drop_past_capacity(idx, probs, E: int, capacity: int) -> torch.Tensor:
     return capacity_drop(idx, drop_probs, E, capacity)
 
 
+def _check_permute_input(
+    hidden: object, fp8: object, validate: object
+) -> tuple[torch.Tensor, Fp8Tensor | None]:
+    """(a [T, H] tensor to check the routing against, the Fp8Tensor given as hidden)."""
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    if fp8 is not None and not isinstance(fp8, Fp8Recipe):
+        raise TypeError(f"fp8 must be a moekit.ops.Fp8Recipe or None, got {type(fp8).__name__}")
+    if not isinstance(hidden, Fp8Tensor):
+        return _check_hidden("hidden", hidden), None
+    if hidden.axis != "row" or hidden.transposed or hidden.data.dim() != 2:
+        raise ValueError(
+            "an FP8 hidden must be a [T, H] Fp8Tensor quantized along H (quantize_fp8(x, "
+            f"axis='row')), got {hidden.data.dim()}-D, axis={hidden.axis!r}, "
+            f"transposed={hidden.transposed}"
+        )
+    return hidden.data, hidden
+
+
+def _permute_fp8(
+    hidden: torch.Tensor | Fp8Tensor, recipe: Fp8Recipe | None, probs, copy: tuple
+) -> tuple[Fp8Tensor, torch.Tensor]:
+    """(rows [R, H] as an Fp8Tensor, row probs [R]) of permute with FP8 rows (``copy``: the
+    row map, offsets, tokens per expert, R, align, tail_lo)."""
+    if isinstance(hidden, torch.Tensor) and recipe.scaling == "rowwise":
+        hidden = quantize_fp8(hidden, block=None, pow2_scale=recipe.pow2_scale)
+    if isinstance(hidden, Fp8Tensor):
+        grad_src = (
+            hidden.anchor if hidden.anchor is not None else stand_in(hidden.data, hidden.shape)
+        )
+        payload, block = (hidden.data, hidden.scale), hidden.block
+        source, source_rows = hidden.source, hidden.source_rows
+    else:
+        grad_src, payload, block = hidden, recipe.pow2_scale, QUANT_BLOCK
+        source, source_rows = hidden.detach(), None
+    row_index, num_rows = copy[0], copy[3]
+    rows = row_tokens(row_index, num_rows)  # each row's token, to requantize from the source
+    if source_rows is not None:
+        rows = torch.where(rows >= 0, source_rows[rows.clamp(min=0).long()], -1).int()
+    if needs_grad(grad_src, probs):
+        anchor, vals, data, scale = _apply_permute_fp8(grad_src, probs, *copy, payload)
+    else:
+        (data, scale, vals), anchor = _permute_fp8_rows(grad_src, probs, *copy, payload), None
+    out = Fp8Tensor(data, scale, "row", block, anchor=anchor, source=source,
+                    source_rows=rows if source is not None else None)  # fmt: skip
+    return out, vals
+
+
+def _row_bound(idx, probs, E, align, out_rows, capacity_factor, may_drop, fp8) -> tuple:
+    """(slots after capacity drops, R, whether slots may be dropped, capacity or None)."""
+    T, k = idx.shape
+    if capacity_factor is not None:
+        if out_rows is not None:
+            raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
+        capacity = expert_capacity(capacity_factor, T, k, E, align)
+        return _drop_past_capacity(idx, probs, E, capacity), E * capacity, True, capacity
+    if out_rows is None or (isinstance(out_rows, str) and out_rows == "exact"):
+        num_rows = max_rows(T, k, E, align)
+        if fp8:  # whole 128-row blocks: the FP8 weight gradient stores the rows token-contiguous
+            num_rows = -(-num_rows // QUANT_BLOCK) * QUANT_BLOCK
+        return idx, num_rows, may_drop, None
+    num_rows = _check_int("out_rows", out_rows, 0)
+    return idx, num_rows, may_drop or num_rows < max_rows(T, k, E, align), None
+
+
 def _tail_lo(dropless: bool, slots: int, num_rows: int) -> int:
     # With every slot kept, offsets[-1] >= T·k, so the tail zero-fill can skip the rows below.
     return min(slots, num_rows) if dropless else 0
@@ -467,11 +465,14 @@ def permute(
     capacity_factor: float | None = None,  # keep ceil(cf·T·k/E) rows per expert
     validate: bool = False,
     zero_tail: bool = True,
+    fp8: Fp8Recipe | None = None,  # quantize the rows to e4m3 on the way
 ) -> Dispatch:
     """Copy each token's hidden vector to one row per chosen expert, grouped by expert.
 
     Args:
-        hidden: ``[T, H]`` activations, bf16/fp16/fp32, unit stride along H.
+        hidden: ``[T, H]`` activations, bf16/fp16/fp32, unit stride along H; or an
+            :class:`~moekit.ops.Fp8Tensor` of them quantized along H (``axis="row"``), whose
+            e4m3 rows and scales are moved as they are.
         indices: ``[T, k]`` expert ids (any int dtype), the router's top-k; ``−1`` marks a
             slot routed to no expert (as capacity drops and expert parallelism's non-local
             slots are): it gets no row and zeros back from ``unpermute`` (permute cannot see
@@ -500,15 +501,18 @@ def permute(
         zero_tail: False leaves the rows past ``offsets[-1]`` unwritten (padding rows inside
             segments are still zeroed), for a caller whose R is a loose bound and whose
             consumers read only the rows ``offsets`` covers (expert parallelism's receive side).
+        fp8: an :class:`~moekit.ops.Fp8Recipe`: write the rows in e4m3 with their scales,
+            each token quantized once (blockwise: in the copy itself, 1×128 along H); the FP8
+            experts take them as they are (``align=128`` for their weight gradient).
 
     Dropped slots get ``row_index = −1``, no row, and zeros back from ``unpermute``.
 
     Returns:
-        A :class:`Dispatch`; ``dispatch.hidden`` is ``[R, H]`` in hidden's dtype.
+        A :class:`Dispatch`; ``dispatch.hidden`` is ``[R, H]`` in hidden's dtype, or an
+        :class:`~moekit.ops.Fp8Tensor` of the rows with ``fp8`` or an FP8 ``hidden``
+        (padding rows zero, with zero scales; gradients reach the tokens through its anchor).
     """
-    hidden = _check_hidden("hidden", hidden)
-    if not isinstance(validate, bool):
-        raise TypeError(f"validate must be a bool, got {type(validate).__name__}")
+    hidden, quantized = _check_permute_input(hidden, fp8, validate)
     validate = validate or debug_checks()
     if routing_map is not None:
         if indices is not None:
@@ -522,28 +526,21 @@ def permute(
     # A routing map may give a token fewer than topk experts: those slots are dropped.
     may_drop = routing_map is not None
     exact = isinstance(out_rows, str) and out_rows == "exact"
-    capacity = None
-    if capacity_factor is not None:
-        if out_rows is not None:
-            raise ValueError("capacity_factor and out_rows are exclusive (both decide R)")
-        capacity = expert_capacity(capacity_factor, T, k, E, a)
-        idx = _drop_past_capacity(idx, probs, E, capacity)
-        num_rows, may_drop = E * capacity, True
-    elif out_rows is None or exact:
-        num_rows = max_rows(T, k, E, a)
-    else:
-        num_rows = _check_int("out_rows", out_rows, 0)
-        may_drop = may_drop or num_rows < max_rows(T, k, E, a)
+    idx, num_rows, may_drop, capacity = _row_bound(
+        idx, probs, E, a, out_rows, capacity_factor, may_drop, fp8 or quantized is not None
+    )
     row_index, tokens_per_expert, counts, offsets = routing_metadata(idx, E, a, num_rows)
     if exact:
         num_rows = int(offsets[-1])  # the one host sync, asked for by the caller
     if probs is not None and not probs.is_contiguous():
         probs = probs.contiguous()  # [T, k]: metadata-sized
-    apply = _apply_permute if needs_grad(hidden, probs) else _permute_rows
-    out, out_probs = apply(
-        hidden, probs, row_index, offsets, tokens_per_expert, num_rows, a,
-        _tail_lo(not may_drop, T * k, num_rows) if zero_tail else num_rows,
-    )  # fmt: skip
+    copy = (row_index, offsets, tokens_per_expert, num_rows, a,
+            _tail_lo(not may_drop, T * k, num_rows) if zero_tail else num_rows)  # fmt: skip
+    if quantized is not None or fp8 is not None:
+        out, out_probs = _permute_fp8(quantized or hidden, fp8, probs, copy)
+    else:
+        apply = _apply_permute if needs_grad(hidden, probs) else _permute_rows
+        out, out_probs = apply(hidden, probs, *copy)
     return Dispatch(
         hidden=out, probs=out_probs if probs is not None else None, counts=counts,
         offsets=offsets, tokens_per_expert=tokens_per_expert, row_index=row_index,

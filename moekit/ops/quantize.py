@@ -6,14 +6,21 @@ dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
 ``axis="both"``). The math and its edge cases (zero blocks, NaN, inf): :mod:`moekit.reference.fp8`.
 
 CUDA tensors run :mod:`moekit.kernels.fp8` (compute capability 8.9 or newer); CPU tensors the
-reference, or the kernel in Triton's interpreter with ``TRITON_INTERPRET=1``. Quantization is not
-differentiable: the FP8 GEMMs quantize inside their own autograd Functions.
+reference, or the kernel in Triton's interpreter with ``TRITON_INTERPRET=1``.
+
+Autograd: an FP8 tensor cannot carry a bf16 gradient, so a quantized tensor takes part in the
+graph through its ``anchor``, a stand-in of the source's shape and dtype without storage of its
+own. moekit's FP8 ops take the anchor as their differentiable input and return the gradient of
+the quantized values for it, which flows on to the source unchanged (the straight-through
+estimator, as every FP8 training recipe uses it).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import Literal
 
 import torch
 
@@ -25,10 +32,42 @@ from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.tuning.fp8 import quantize_config
 
-__all__ = ["AXES", "BLOCKS", "Fp8Tensor", "quantize_fp8"]
+__all__ = [
+    "AXES",
+    "BLOCKS",
+    "Fp8Recipe",
+    "Fp8Tensor",
+    "quantize_fp8",
+    "requantize_fp8",
+    "stand_in",
+]
 
 AXES = ("row", "col", "both")
 BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How a layer trains in FP8 (``MoELayer(fp8=)``, ``grouped_linear_fp8(recipe=)``).
+
+    scaling: ``"blockwise"`` (1×128 activations and gradients, 128×128 weights, fp32 promotion
+        per 128 of K: DeepSeek-V3, TransformerEngine's ``Float8BlockScaling``) or ``"rowwise"``
+        (one scale per row and per output channel, one promotion at the end).
+    pow2_scale: round every scale up to a power of two.
+    """
+
+    scaling: Literal["blockwise", "rowwise"] = "blockwise"
+    pow2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if self.scaling not in ("blockwise", "rowwise"):
+            raise ValueError(
+                f"Fp8Recipe.scaling must be 'blockwise' or 'rowwise', got {self.scaling!r}"
+            )
+        if not isinstance(self.pow2_scale, bool):
+            raise TypeError(
+                f"Fp8Recipe.pow2_scale must be a bool, got {type(self.pow2_scale).__name__}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +89,13 @@ class Fp8Tensor:
     # data stored transposed in its last two dims ([..., K, M], contiguous): the layout a GEMM
     # that contracts over M wants (the wgrad's operands, M the tokens); scale as for x
     transposed: bool = False
+    # The quantized values in the autograd graph (see the module docstring): a zero-stride
+    # tensor of x's shape and its source's dtype; None when x's gradient is not wanted.
+    anchor: torch.Tensor | None = None
+    # Where the values came from, to quantize them again along another axis without a second
+    # rounding (requantize_fp8): x = source, or x[m] = source[source_rows[m]] (zeros for −1).
+    source: torch.Tensor | None = None
+    source_rows: torch.Tensor | None = None  # [M] int32
 
     @property
     def shape(self) -> torch.Size:
@@ -61,6 +107,14 @@ class Fp8Tensor:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def orig_dtype(self) -> torch.dtype:
+        """The dtype the values were quantized from (bf16 when that is not known)."""
+        for t in (self.anchor, self.source):
+            if t is not None:
+                return t.dtype
+        return torch.bfloat16
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data · scale`` (computed in fp32) in ``dtype``."""
@@ -77,42 +131,80 @@ class Fp8Tensor:
                 f"axis={self.axis!r}, transposed={self.transposed}"
             )
         data = self.data.transpose(-2, -1).contiguous()
-        return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
+        scale = self.scale.transpose(-2, -1).contiguous()
+        return Fp8Tensor(data, scale, "both", self.block)
 
 
-def _quantize_fake(x, axis, block, pow2_scale, transpose):
-    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
-    data = x.new_empty(shape, dtype=torch.float8_e4m3fn)
-    return data, x.new_empty(scale_shape(x.shape, axis, block), dtype=torch.float32)
+def stand_in(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    """A zero tensor of ``shape`` in like's dtype and device without storage of its own (one
+    element expanded): the anchor an FP8 op returns for its quantized output."""
+    return like.new_zeros(()).expand(*shape)
+
+
+def _gathered(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x, or its rows x[rows[m]] (zeros for −1) as a new tensor: the reference path."""
+    if rows is None:
+        return x
+    rows = rows.long()
+    return torch.where((rows >= 0)[:, None], x[rows.clamp(min=0)], 0.0).to(x.dtype)
+
+
+def _quantize_fake(x, rows, axis, block, pow2_scale, transpose):
+    shape = x.shape if rows is None else (rows.shape[0], x.shape[1])
+    data_shape = (*shape[:-2], shape[-1], shape[-2]) if transpose else shape
+    data = x.new_empty(data_shape, dtype=torch.float8_e4m3fn)
+    return data, x.new_empty(scale_shape(shape, axis, block), dtype=torch.float32)
 
 
 @kernel_op("quantize_fp8", fake=_quantize_fake)
 def _quantize(
-    x: torch.Tensor, axis: str, block: int, pow2_scale: bool, transpose: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(data, scale) of a checked call."""
+    x: torch.Tensor, rows: torch.Tensor | None, axis: str, block: int, pow2_scale: bool,
+    transpose: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(data, scale) of a checked call (of x's rows ``rows`` when given)."""
     if not use_triton(x):
-        data, scale = quantize_fp8_ref(x, axis, block, pow2_scale)
+        data, scale = quantize_fp8_ref(_gathered(x, rows), axis, block, pow2_scale)
         return (data.transpose(-2, -1).contiguous() if transpose else data), scale
-    data, scale = _quantize_fake(x, axis, block, pow2_scale, transpose)
+    data, scale = _quantize_fake(x, rows, axis, block, pow2_scale, transpose)
+    shape = x.shape if rows is None else (rows.shape[0], x.shape[1])
     # [B, M, K]: for row blocks every row in M (a tile takes several), else the batch in B
-    lead = math.prod(x.shape[:-1] if axis == "row" else x.shape[:-2])
-    x3 = x.reshape(1, lead, x.shape[-1]) if axis == "row" else x.reshape(lead, *x.shape[-2:])
+    if axis == "row":
+        b, M, K = 1, math.prod(shape[:-1]), shape[-1]
+    else:
+        b, M, K = math.prod(shape[:-2]), shape[-2], shape[-1]
+    x3 = x.unsqueeze(0) if rows is not None else x.reshape(b, M, K)
     d3 = data.view(torch.uint8)
-    d3 = d3.view(lead, x3.shape[2], x3.shape[1]).transpose(1, 2) if transpose else d3.view(x3.shape)
-    s3 = scale.view(x3.shape[0], x3.shape[1] if axis == "row" else scale.shape[-2], scale.shape[-1])
+    d3 = d3.view(b, K, M).transpose(1, 2) if transpose else d3.view(b, M, K)
+    s3 = scale.view(b, M if axis == "row" else scale.shape[-2], scale.shape[-1])
     cfg = quantize_config(axis, block)
     per_row, per_col = axis == "row", axis == "col"
     key = None
     if x.is_cuda:
         # d3's strides tell a transposed output apart
-        key = ("quantize_fp8", axis, block, pow2_scale, *map(tensor_key, (x3, d3, s3)))
-    if x3.numel():
+        key = ("quantize_fp8", axis, block, pow2_scale, rows is not None,
+               *map(tensor_key, (x3, d3, s3)))  # fmt: skip
+    if d3.numel():
         replayed(
-            key, (x3, d3, s3),
-            lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg),
+            key, (x3, d3, s3, rows),
+            lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg, rows),
         )  # fmt: skip
     return data, scale
+
+
+class _QuantizeFn(torch.autograd.Function):
+    """x → (its anchor, data, scale): the gradient reaching the anchor goes to x as it is."""
+
+    @staticmethod
+    def forward(ctx, x, rows, axis, block, pow2_scale, transpose):
+        ctx.set_materialize_grads(False)
+        data, scale = _quantize(x.detach(), rows, axis, block, pow2_scale, transpose)
+        ctx.mark_non_differentiable(data, scale)
+        shape = x.shape if rows is None else (rows.shape[0], x.shape[1])
+        return stand_in(x, shape), data, scale
+
+    @staticmethod
+    def backward(ctx, grad, _data, _scale):
+        return grad, None, None, None, None, None
 
 
 def quantize_fp8(
@@ -122,6 +214,7 @@ def quantize_fp8(
     block: int = 128,
     pow2_scale: bool = False,
     transpose: bool = False,
+    rows: torch.Tensor | None = None,
 ) -> Fp8Tensor:
     """Quantize ``x`` blockwise to e4m3 with one fp32 scale per block.
 
@@ -135,10 +228,13 @@ def quantize_fp8(
             exponents; the values lose up to one bit of range use).
         transpose: store ``data`` transposed in its last two dims (``"col"`` and ``"both"``):
             [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands).
+        rows: [M] int32/int64 on x's device, with x [S, K]: quantize the [M, K] tensor whose
+            row m is ``x[rows[m]]`` (a zero row for −1) in the same pass, e.g. permuted rows
+            straight from their tokens. Ids outside [−1, S) are undefined behaviour.
 
     Returns:
-        :class:`Fp8Tensor` with ``data`` (x's shape, e4m3) and ``scale`` (fp32). Not
-        differentiable (x's gradient is not tracked through it).
+        :class:`Fp8Tensor` with ``data`` (e4m3) and ``scale`` (fp32), and an ``anchor`` when
+        x requires a gradient (the gradient of the quantized values passes straight to x).
     """
     x = check_tensor("x", x)
     check_dtype("x", x, FLOAT_DTYPES)
@@ -155,6 +251,42 @@ def quantize_fp8(
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if transpose and axis == "row":
         raise ValueError("transpose applies to axis='col' or 'both', got axis='row'")
+    if rows is not None:
+        rows = _check_rows(rows, x)
     check_fp8_device("x", x)
-    data, scale = _quantize(x.detach(), axis, block, pow2_scale, transpose)
-    return Fp8Tensor(data, scale, axis, block, transpose)
+    args = (rows, axis, block, pow2_scale, transpose)
+    if torch.is_grad_enabled() and x.requires_grad:
+        anchor, data, scale = _QuantizeFn.apply(x, *args)
+    else:
+        (data, scale), anchor = _quantize(x.detach(), *args), None
+    return Fp8Tensor(data, scale, axis, block, transpose, anchor, x.detach(), rows)
+
+
+def _check_rows(rows: object, x: torch.Tensor) -> torch.Tensor:
+    rows = check_tensor("rows", rows)
+    if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"rows must be a 1-D int32/int64 tensor, got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if x.dim() != 2:
+        raise ValueError(f"x must be [S, K] with rows, got shape {tuple(x.shape)}")
+    if rows.device != x.device:
+        raise ValueError(f"rows must be on x's device {x.device}, got {rows.device}")
+    return rows.contiguous()
+
+
+def requantize_fp8(
+    t: Fp8Tensor, *, axis: str, transpose: bool = False, pow2_scale: bool = False
+) -> Fp8Tensor:
+    """The values of ``t`` quantized along ``axis`` instead (same block and scaling), e.g. an
+    activation quantized 1×128 for its forward GEMM, needed 128×1 along the tokens by its
+    weight gradient.
+
+    From ``t.source`` (and ``t.source_rows``) when t kept them: one rounding, as if quantized
+    from the start. Otherwise from ``t.dequantize()``: a second rounding, whose error the
+    docs (docs/fp8.md) bound. Not differentiable (the result has no anchor)."""
+    src = t.source if t.source is not None else t.dequantize()
+    rows = t.source_rows if t.source is not None else None
+    with torch.no_grad():
+        return quantize_fp8(src, axis=axis, block=t.block, pow2_scale=pow2_scale,
+                            transpose=transpose, rows=rows)  # fmt: skip

@@ -26,6 +26,7 @@ __all__ = [
     "routing_map_to_indices",
     "routing_metadata",
     "routing_metadata_torch",
+    "row_tokens",
     "slot_values",
     "sort_chunks_row_map",
     "sort_chunks_row_map_torch",
@@ -283,3 +284,17 @@ def slot_values(row_vals: torch.Tensor, row_index: torch.Tensor) -> torch.Tensor
     keep = (row_index >= 0) & (row_index < row_vals.shape[0])
     vals = row_vals[torch.where(keep, row_index, 0).long()]
     return torch.where(keep, vals, torch.zeros_like(vals))
+
+
+def row_tokens(row_index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """The token of every permuted row: [R] int32, −1 for the rows no slot maps to (padding,
+    tail). The inverse of ``row_index`` [T, k] (−1 = dropped), sync-free: every dropped slot
+    writes into one spare entry past R."""
+    T, k = row_index.shape
+    flat = row_index.reshape(-1).long()
+    dest = torch.where((flat >= 0) & (flat < num_rows), flat, num_rows)
+    tokens = torch.arange(T * k, device=row_index.device, dtype=torch.int32).div_(
+        max(k, 1), rounding_mode="floor"
+    )
+    out = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_index.device)
+    return out.scatter_(0, dest, tokens)[:num_rows]

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from moekit.activations import Activation
 from moekit.config import debug_checks
 from moekit.runtime.device import use_triton
 from moekit.runtime.eager import values_on_host
@@ -204,3 +205,58 @@ def check_positive(**sizes: int) -> None:
         names = ", ".join(sizes)
         got = ", ".join(str(n) for n in sizes.values())
         raise ValueError(f"{names} must be positive, got {got}")
+
+
+def check_mlp_weights(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, act: Activation, same_dtype: bool = True
+) -> None:
+    """An expert MLP's weights for rows x [R, H]: w1 [E, 2F, H] (gated) or [E, F, H], w2
+    [E, H, F], on x's device (and in x's dtype unless ``same_dtype`` is False)."""
+    check_ndim("w1", w1, 3, "[E, 2F, H] (gated) or [E, F, H]")
+    check_ndim("w2", w2, 3, "[E, H, F]")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if same_dtype and w.dtype != x.dtype:
+            raise TypeError(f"{name} must have x's dtype {x.dtype}, got {w.dtype}")
+        check_same_device(name, w, "x", x)
+    H = x.shape[1]
+    E, W1, H1 = w1.shape
+    F_ = w2.shape[2]
+    if H1 != H or w2.shape[1] != H:
+        raise ValueError(
+            f"w1.shape[2] and w2.shape[1] must equal H = x.shape[1] = {H}, got w1 "
+            f"{tuple(w1.shape)}, w2 {tuple(w2.shape)}"
+        )
+    if w2.shape[0] != E:
+        raise ValueError(f"w1 and w2 must hold the same E experts, got {E} and {w2.shape[0]}")
+    if act.gated:
+        if W1 % 2:
+            raise ValueError(
+                f"w1.shape[1] must be even for gated activation {act.name!r} ([gate | up]), "
+                f"got {W1}"
+            )
+        if W1 != 2 * F_:
+            raise ValueError(
+                f"w1.shape[1] must be 2 * F = {2 * F_} for gated activation {act.name!r} "
+                f"(F = w2.shape[2]), got {W1}"
+            )
+    elif W1 != F_:
+        raise ValueError(
+            f"w1.shape[1] must equal F = w2.shape[2] = {F_} for activation {act.name!r}, got {W1}"
+        )
+
+
+def check_interleave(glu_interleave: object, act: Activation, F_: int) -> None:
+    """glu_interleave: None, or a positive divisor of F with a gated activation."""
+    if glu_interleave is None:
+        return
+    if not act.gated:
+        raise ValueError(f"glu_interleave applies to gated activations, not {act.name!r}")
+    if (
+        isinstance(glu_interleave, bool)
+        or not isinstance(glu_interleave, int)
+        or glu_interleave <= 0
+        or F_ % glu_interleave
+    ):
+        raise ValueError(
+            f"glu_interleave must be a positive integer dividing F = {F_}, got {glu_interleave!r}"
+        )
