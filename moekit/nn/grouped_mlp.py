@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from moekit.activations import Activation, resolve_activation
+from moekit.ops.fp8_mlp import grouped_mlp_fp8
 from moekit.ops.grouped_mlp import grouped_mlp
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor
 from moekit.ops.validation import check_byte_aligned, check_positive
 
 
@@ -24,6 +26,12 @@ class GroupedMLP(nn.Module):
     accumulates there in place instead of producing ``.grad``. ``hidden_size`` must span a
     multiple of 16 bytes of the parameters' dtype (checked here); ``ffn_hidden_size`` may be
     any size (see :func:`moekit.ops.grouped_mlp`).
+
+    ``fp8``: an :class:`~moekit.ops.Fp8Recipe` runs both GEMMs in FP8
+    (:func:`moekit.ops.grouped_mlp_fp8`; the weights stay in their dtype and are quantized once
+    per version); x may then also be an :class:`~moekit.ops.Fp8Tensor` of the rows, as
+    ``permute(..., fp8=)`` gives them. Needs hidden and ffn sizes that are multiples of 16 and
+    no biases.
     """
 
     def __init__(
@@ -37,6 +45,7 @@ class GroupedMLP(nn.Module):
         recompute_activation: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        fp8: Fp8Recipe | None = None,
     ) -> None:
         super().__init__()
         check_positive(
@@ -61,6 +70,7 @@ class GroupedMLP(nn.Module):
         self.ffn_hidden_size = ffn_hidden_size
         self.glu_interleave = glu_interleave
         self.recompute_activation = recompute_activation
+        self.fp8 = _check_fp8(fp8, hidden_size, ffn_hidden_size, bias)
         w1_rows = ffn_hidden_size * (2 if self.activation.gated else 1)
         kw = {"device": device, "dtype": dtype}
         self.fc1_weight = nn.Parameter(torch.empty(num_experts, w1_rows, hidden_size, **kw))
@@ -88,6 +98,11 @@ class GroupedMLP(nn.Module):
         *,
         zero_tail: bool = True,
     ) -> torch.Tensor:
+        if self.fp8 is not None or isinstance(x, Fp8Tensor):
+            return grouped_mlp_fp8(
+                x, offsets, self.fc1_weight, self.fc2_weight, probs, activation=self.activation,
+                glu_interleave=self.glu_interleave, recipe=self.fp8,
+            )  # fmt: skip
         return grouped_mlp(
             x, offsets, self.fc1_weight, self.fc2_weight, probs,
             activation=self.activation, glu_interleave=self.glu_interleave,
@@ -101,4 +116,19 @@ class GroupedMLP(nn.Module):
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation.name!r}, "
             f"glu_interleave={self.glu_interleave}, bias={self.fc1_bias is not None}, "
             f"recompute_activation={self.recompute_activation}"
+            + (f", fp8={self.fp8}" if self.fp8 is not None else "")
         )
+
+
+def _check_fp8(fp8: object, hidden_size: int, ffn_hidden_size: int, bias: bool) -> Fp8Recipe | None:
+    """The module's FP8 recipe, checked against what the FP8 GEMMs take."""
+    if fp8 is None:
+        return None
+    if not isinstance(fp8, Fp8Recipe):
+        raise TypeError(f"fp8 must be a moekit.ops.Fp8Recipe or None, got {type(fp8).__name__}")
+    for name, size in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+        if size % 16:
+            raise ValueError(f"{name} must be a multiple of 16 for the FP8 GEMMs, got {size}")
+    if bias:
+        raise ValueError("the FP8 expert MLP has no biases: bias=True needs fp8=None")
+    return fp8

@@ -19,6 +19,7 @@ from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.autocast import autocast_on, autocast_tensors
 from moekit.ops.permute import DispatchConfig, permute, unpermute
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor
 from moekit.ops.router import RouterConfig
 
 __all__ = ["MoELayer", "SharedExpert", "routed_experts"]
@@ -33,18 +34,21 @@ def routed_experts(
     dispatch: DispatchConfig | None = None,  # None: dropless, packed
     scale_by_probs: bool = True,
     shape: Sequence[int] | None = None,
+    fp8: Fp8Recipe | None = None,
 ) -> torch.Tensor:  # [T, H'] (or ``shape``)
     """The routed part of an MoE layer on one device: permute the tokens by ``route``, run
     ``experts(rows [R, H], offsets [E], row_probs [R] | None) -> [R, H']`` (the probs, in the
     rows' dtype, are applied inside the experts' activation), and sum each token's rows back
     unweighted, into a tensor of ``shape`` if given (``moekit.ops.unpermute``). Differentiable
-    in the tokens, the route's probs and whatever ``experts`` uses."""
+    in the tokens, the route's probs and whatever ``experts`` uses. With ``fp8`` the rows are
+    quantized in the permute and reach ``experts`` as an :class:`~moekit.ops.Fp8Tensor`."""
     dispatch = dispatch or DispatchConfig()
     d = permute(
         tokens, route.indices, route.probs, num_experts=num_experts, align=dispatch.align,
-        capacity_factor=dispatch.capacity_factor,
+        capacity_factor=dispatch.capacity_factor, fp8=fp8,
     )  # fmt: skip
-    probs = d.probs.to(d.hidden.dtype) if scale_by_probs else None
+    dtype = d.hidden.orig_dtype if isinstance(d.hidden, Fp8Tensor) else d.hidden.dtype
+    probs = d.probs.to(dtype) if scale_by_probs else None
     return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False, shape=shape)
 
 
@@ -85,6 +89,12 @@ class MoELayer(nn.Module):
             different token counts. The router is replicated: keep its weights equal across
             ranks.
         ep_config: :class:`~moekit.nn.ExpertParallelConfig` (backend, static bounds).
+        fp8: an :class:`~moekit.ops.Fp8Recipe`: the routed experts train in FP8 (docs/fp8.md):
+            the tokens are quantized once, in the permute, and both expert GEMMs of every pass
+            run in e4m3 with fp32 scales; the router, its losses, the combine and the shared
+            expert stay in the layer's dtype, and the weights stay in theirs. Needs
+            ``dispatch.align`` None or 128 (it becomes 128: the weight gradients work on
+            128-row blocks), sizes that are multiples of 16, and no expert parallelism yet.
 
     The aux and z losses enter the backward by themselves, with gradient
     :attr:`aux_loss_grad_scale` (default 1.0: set it to your loss's scale factor, e.g. 1/N for
@@ -111,6 +121,7 @@ class MoELayer(nn.Module):
         dispatch: DispatchConfig | None = None,
         ep_group: object | None = None,
         ep_config: ExpertParallelConfig | None = None,
+        fp8: Fp8Recipe | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -121,6 +132,8 @@ class MoELayer(nn.Module):
         self.router = TopKRouter(hidden_size, num_experts, k, router, **kw)
         local = num_experts
         self.ep = None
+        if fp8 is not None and ep_group is not None:
+            raise ValueError("fp8 with expert parallelism (ep_group) is not built yet")
         if ep_group is not None:
             if ep_config is not None and not isinstance(ep_config, ExpertParallelConfig):
                 raise TypeError(
@@ -133,7 +146,8 @@ class MoELayer(nn.Module):
         elif ep_config is not None:
             raise ValueError("ep_config needs ep_group")
         self.ep_group = ep_group
-        self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, **kw)
+        self.experts = GroupedMLP(local, hidden_size, ffn_hidden_size, activation, fp8=fp8, **kw)
+        self.fp8 = fp8
         self.shared_expert = None
         if shared_expert_ffn_size:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_ffn_size, activation, **kw)
@@ -143,6 +157,13 @@ class MoELayer(nn.Module):
                 f"dispatch must be a moekit.nn.DispatchConfig, got {type(dispatch).__name__}"
             )
         self.dispatch = dispatch or DispatchConfig()
+        if fp8 is not None:
+            if self.dispatch.align not in (None, 128):
+                raise ValueError(
+                    "fp8 needs dispatch.align None or 128 (the FP8 weight gradients work on "
+                    f"128-row blocks), got {self.dispatch.align}"
+                )
+            self.dispatch = dataclasses.replace(self.dispatch, align=128)
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
@@ -188,7 +209,7 @@ class MoELayer(nn.Module):
         if self.ep_group is None:
             y = routed_experts(
                 tokens, r, self.experts, num_experts=self.num_experts, dispatch=self.dispatch,
-                shape=x.shape,
+                shape=x.shape, fp8=self.fp8,
             )  # fmt: skip
         else:
             y = self.ep(tokens, r.indices, r.probs, self.experts, self.dispatch, shape=x.shape)

@@ -7,6 +7,8 @@ from moekit.ops.allreduce import (
     auto_algo,
     set_auto_thresholds,
 )
+from moekit.ops.fp8_linear import grouped_linear_fp8
+from moekit.ops.fp8_mlp import grouped_mlp_fp8
 from moekit.ops.grouped_gemm import grouped_mm
 from moekit.ops.grouped_linear import grouped_linear
 from moekit.ops.grouped_mlp import grouped_mlp
@@ -17,7 +19,7 @@ from moekit.ops.permute import (
     sort_chunks_by_index,
     unpermute,
 )
-from moekit.ops.quantize import Fp8Tensor, quantize_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8
 from moekit.ops.rmsnorm import add_rmsnorm, rmsnorm
 from moekit.ops.router import RouterConfig, topk_routing
 from moekit.ops.router_losses import load_balancing_loss, router_z_loss
@@ -25,6 +27,7 @@ from moekit.ops.router_losses import load_balancing_loss, router_z_loss
 __all__ = [
     "Dispatch",
     "DispatchConfig",
+    "Fp8Recipe",
     "Fp8Tensor",
     "RouterConfig",
     "add_rmsnorm",
@@ -33,7 +36,9 @@ __all__ = [
     "allreduce_add_rmsnorm",
     "auto_algo",
     "grouped_linear",
+    "grouped_linear_fp8",
     "grouped_mlp",
+    "grouped_mlp_fp8",
     "grouped_mm",
     "load_balancing_loss",
     "permute",

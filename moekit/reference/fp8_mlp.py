@@ -67,8 +67,9 @@ def grouped_mlp_fp8_ref(
 
     da = _rows_times(fake_quantize(dy, "row"), w2q, bounds, R).to(dtype).float()
     dw2 = _wgrad(fake_quantize(dy, "col"), fake_quantize(a, "col"), bounds)
-    hh = h.clone().requires_grad_()
-    (dh,) = torch.autograd.grad(apply_activation(hh, act, interleave), hh, da * p)
+    with torch.enable_grad():
+        hh = h.clone().requires_grad_()
+        (dh,) = torch.autograd.grad(apply_activation(hh, act, interleave), hh, da * p)
     dh = dh.to(dtype).float()
     dx = _rows_times(fake_quantize(dh, "row"), w1q, bounds, R)
     dw1 = _wgrad(fake_quantize(dh, "col"), fake_quantize(x, "col"), bounds)
