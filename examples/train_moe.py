@@ -4,6 +4,7 @@
     python examples/train_moe.py --config mid         # larger sizes (GPU)
     python examples/train_moe.py --stop-after 500     # ... then --resume continues identically
     python examples/train_moe.py --baseline torch     # same model, torch-native MoE layers
+    python examples/train_moe.py --fp8                # the routed experts in FP8 (docs/fp8.md)
     torchrun --nproc_per_node=4 examples/train_moe.py --ep 4 --config mid   # experts on 4 GPUs
 
 The corpus is the Python standard library's own source files, read bytewise (vocabulary 256),
@@ -49,6 +50,7 @@ from train_moe_parallel import Parallel
 from train_moe_plot import label, save_figure
 
 from benchmarks.torch_moe import torch_moe, with_loss
+from moekit import Fp8Recipe
 from moekit.nn import MoELayer, RMSNorm, RouterConfig
 
 
@@ -184,10 +186,17 @@ def evaluate(model, data, cfg, device, par, batches: int = 8) -> float:
     return total / batches
 
 
+class Fp8MoE(MoELayer):
+    """moekit's layer with its routed experts in FP8 (blockwise e4m3, the default recipe)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, fp8=Fp8Recipe(), **kwargs)
+
+
 def build_model(cfg: Config, baseline: str, par: Parallel, device, dtype) -> nn.Module:
     """The single-process model (its weights from the seed alone) with this rank's experts,
     sharded by FSDP2 over the ranks."""
-    moe_cls = MoELayer if baseline == "moekit" else TorchMoE
+    moe_cls = {"moekit": MoELayer, "moekit-fp8": Fp8MoE, "torch": TorchMoE}[baseline]
     model = MoELM(cfg, moe_cls).to(device, dtype)
     if par.size == 1:
         return model
@@ -219,6 +228,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--baseline", choices=("moekit", "torch"), default="moekit")
+    p.add_argument("--fp8", action="store_true", help="moekit's routed experts in FP8")
     p.add_argument("--steps", type=int, default=None, help="total steps (default: the config's)")
     p.add_argument("--out", default=None, help="run folder (default: a new one under runs/)")
     p.add_argument("--resume", action="store_true", help="continue from <out>/checkpoint")
@@ -242,6 +252,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out, --overwrite replaces it: pick one")
+    if args.fp8:
+        if args.baseline != "moekit" or args.ep > 1:
+            p.error("--fp8 runs moekit's layers on one process (no --baseline torch, no --ep)")
+        args.baseline = "moekit-fp8"
     return args
 
 
