@@ -32,7 +32,7 @@ def fake_quantize(x: torch.Tensor, axis: str, block: int = 128) -> torch.Tensor:
 
 def _rows_times(a, w, bounds, R) -> torch.Tensor:
     """[R, N] fp32: a[rows of e] @ w[e] ([E, K, N] per expert), zero rows past the last."""
-    out = torch.zeros(R, w.shape[2])
+    out = torch.zeros(R, w.shape[2], device=a.device)
     for e, (s, t) in enumerate(itertools.pairwise(bounds)):
         out[s:t] = a[s:t] @ w[e]
     return out
@@ -61,7 +61,7 @@ def grouped_mlp_fp8_ref(
     w1q, w2q = fake_quantize(w1.float(), "both"), fake_quantize(w2.float(), "both")
     h = _rows_times(fake_quantize(x, "row"), w1q.transpose(1, 2), bounds, R).to(dtype).float()
     act_h = apply_activation(h, act, interleave)
-    p = probs.float()[:, None] if probs is not None else torch.ones(R, 1)
+    p = probs.float()[:, None] if probs is not None else torch.ones(R, 1, device=x.device)
     a = (act_h * p).to(dtype).float()
     y = _rows_times(fake_quantize(a, "row"), w2q.transpose(1, 2), bounds, R)
 

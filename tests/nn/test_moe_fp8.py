@@ -120,3 +120,51 @@ def test_refuses_what_it_cannot_run():
         MoELayer(H, F, E, K, fp8="e4m3")
     with pytest.raises(ValueError, match="expert parallelism"):
         MoELayer(H, F, E, K, fp8=Fp8Recipe(), ep_group=object())
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", [{}, dict(dispatch=DispatchConfig(capacity_factor=1.0))],
+                         ids=["dropless", "capacity"])  # fmt: skip
+def test_gpu_equals_the_oracle_dataflow(opts):
+    # bf16 on the GPU: the kernels against the oracle's dataflow (its torch ops on the GPU too)
+    torch.manual_seed(0)
+    layer = MoELayer(512, 256, 8, 2, fp8=Fp8Recipe(), shared_expert_ffn_size=128, device="cuda",
+                     dtype=torch.bfloat16, **opts)  # fmt: skip
+    x = torch.randn(1000, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    xr = x.detach().clone().requires_grad_()
+    ref = _oracle(layer, xr)
+    g = torch.randn_like(y)
+    params = list(layer.parameters())
+    got = torch.autograd.grad(y, [x, *params], g)
+    want = torch.autograd.grad(ref, [xr, *params], g)
+    assert _rel(y, ref) < 1e-2
+    for name, a, b in zip(["x", *dict(layer.named_parameters())], got, want, strict=True):
+        assert _rel(a, b) < 2e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph():
+    from tests._cuda_step import sync_free_capture
+
+    layer = MoELayer(512, 256, 16, 4, fp8=Fp8Recipe(), shared_expert_ffn_size=128,
+                     device="cuda", dtype=torch.bfloat16)  # fmt: skip
+    params = list(layer.parameters())
+    x = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+
+    def step():
+        return torch.autograd.grad(layer(x), [x, *params], g)
+
+    graph, static_grads = sync_free_capture(step)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+        g.copy_(torch.randn_like(g))
+    graph.replay()
+    eager = step()
+    for got, want in zip(static_grads, eager, strict=True):
+        assert _rel(got, want) < 1e-2

@@ -191,3 +191,24 @@ def test_transposed_output(axis):
     assert torch.equal(qt.scale, q.scale) and torch.equal(qt.dequantize(), q.dequantize())
     with pytest.raises(ValueError, match="transpose applies to axis='col' or 'both'"):
         quantize_fp8(x, transpose=True)
+
+
+@pytest.mark.parametrize("axis", ["row", "col", "both"])
+def test_rows_quantize_a_gathered_tensor(axis):
+    # rows[m] picks x's row (−1: a zero row), quantized as if gathered first
+    x = torch.randn(50, 200) * 3
+    rows = torch.tensor([4, -1, 49, 0, 0, -1, 17] * 30, dtype=torch.int32)
+    got = quantize_fp8(x, axis=axis, rows=rows, transpose=axis != "row")
+    gathered = torch.where((rows >= 0)[:, None], x[rows.clamp(min=0).long()], 0.0)
+    want = quantize_fp8(gathered, axis=axis, transpose=axis != "row")
+    assert _same(got.data, want.data) and _same(got.scale, want.scale)
+
+
+def test_the_anchor_passes_the_gradient_straight_through():
+    x = torch.randn(6, 64, requires_grad=True)
+    q = quantize_fp8(x)
+    assert q.anchor.shape == x.shape and q.anchor.stride() == (0, 0), "no storage of its own"
+    g = torch.randn(6, 64)
+    (q.anchor * g).sum().backward()
+    assert torch.equal(x.grad, g)
+    assert quantize_fp8(x.detach()).anchor is None
