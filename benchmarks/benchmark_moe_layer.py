@@ -1,6 +1,7 @@
 """MoELayer forward + backward against the torch-native MoE and a per-expert loop.
 
     python benchmarks/benchmark_moe_layer.py --out bench_out [--quick] [--smoke] [--autocast]
+    python benchmarks/benchmark_moe_layer.py --fp8 --out bench_out
     torchrun --nproc_per_node=N benchmarks/benchmark_moe_layer.py --ep N --out bench_out
 
 Real MoE sizes, bf16, skewed routing, aux loss on. moekit (also recomputing the activation),
@@ -10,6 +11,9 @@ torch composition and a kernel-less floor. --autocast: fp32 parameters under bf1
 against the bf16 layer, the torch MoE with the same casts, the casts' byte floor. --ep N:
 tokens/s per GPU (slowest rank, fixed call counts) against torch with all_to_all_single, the
 exchange alone (GB/s against the GPU1→GPU0 copy rate), --ep-baseline scaling (run_moe_ep.sh).
+--fp8: also the layer with its routed experts in FP8 (blockwise recipe, align 128) on the same
+weights, its speed-up over the bf16 layer, its peak memory over the bf16 layer's, and the
+quantization kernels of one step (the casts).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch_moe import loop_moe, torch_ep_moe, torch_moe, torch_topk_routing
 
+from moekit import Fp8Recipe
 from moekit.distributed import init_distributed
 from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import ExpertExchange
@@ -169,7 +174,40 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     res.update({f"router_{k_}": v for k_, v in rr.items()})
     if args.autocast:
         res.update(autocast_figures(spec, args, cuda, device, ms))
+    if args.fp8:
+        res.update(fp8_figures(spec, args, cuda, device, ms))
     return res
+
+
+def fp8_figures(spec, args, cuda, device, time_fn) -> dict:
+    """The FP8 layer against the bf16 layer (both align 128, the same weights): time, peak
+    memory, and the quantization kernels of one forward + backward."""
+    T, E, k, H, Fd, opts, _ = spec
+    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
+    layer.dispatch = DispatchConfig(align=128)
+    fp8 = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
+                   fp8=Fp8Recipe(), device="meta", dtype=args.dtype)  # fmt: skip
+    fp8.router = layer.router
+    fp8.experts.fc1_weight, fp8.experts.fc2_weight = (
+        layer.experts.fc1_weight,
+        layer.experts.fc2_weight,
+    )
+    fns = {"bf16_align128": steps(layer, x, dy, False)["moekit"],
+           "fp8": steps(fp8, x, dy, False)["moekit"]}  # fmt: skip
+    res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3, warm=True)
+    for c in fns:
+        res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], cuda)
+    res["fp8_speedup"] = res["bf16_align128_ms"] / res["fp8_ms"]
+    res["fp8_memory_ratio"] = res["fp8_peak_mib"] / res["bf16_align128_peak_mib"]
+    res["fp8_casts"] = _casts(fns["fp8"]) if cuda else math.nan
+    return bc.without_rounds(res)
+
+
+def _casts(fn) -> int:
+    """Kernels of one step that quantize (or dequantize): moekit's quantize kernels and the
+    permute's copy that quantizes on the way."""
+    names = [e.key for e in bc.cuda_profile(fn, cpu=False).key_averages() for _ in range(e.count)]
+    return sum(("quantize" in n or "scatter_rows" in n) for n in names)
 
 
 def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
@@ -343,6 +381,8 @@ COLUMNS = [
     ("t", "router_torch_us"), ("floor", "router_floor_us"), ("×", "router_speedup"),
     ("graph ×", "router_graph_speedup"), ("autocast ×", "autocast_speedup_vs_torch"),
     ("autocast overhead ms", "autocast_overhead_ms"), ("cast floor ms", "autocast_cast_floor_ms"),
+    ("fp8 ms", "fp8_ms"), ("bf16 a128 ms", "bf16_align128_ms"), ("fp8 ×", "fp8_speedup"),
+    ("fp8 MiB ×", "fp8_memory_ratio"), ("casts", "fp8_casts"),
 ]  # fmt: skip
 
 
@@ -350,6 +390,7 @@ def main() -> None:
     ap = bc.parser(__doc__, quick="one round, no per-expert loop")
     ap.add_argument("--shapes", nargs="*", default=None)
     ap.add_argument("--autocast", action="store_true", help="also fp32 params under autocast")
+    ap.add_argument("--fp8", action="store_true", help="also the layer's experts in FP8")
     ap.add_argument("--ep", type=int, default=None, help="expert parallelism (torchrun)")
     ap.add_argument("--ep-baseline", default=None, help="the --ep 1 JSON, for scaling")
     ap.add_argument("--ep-chunks", type=int, nargs="*", default=[], help="also N overlapped chunks")
@@ -367,7 +408,8 @@ def main() -> None:
     meta = bc.meta(cuda, dtype=str(args.dtype), dense_tflops=peak_tflops,
                    aux_loss_coeff=AUX_LOSS_COEFF, failed=failed)  # fmt: skip
     series = {"MoELayer": "speedup_vs_torch", "router alone": "router_speedup",
-              "MoELayer, fp32 params under autocast": "autocast_speedup_vs_torch"}  # fmt: skip
+              "MoELayer, fp32 params under autocast": "autocast_speedup_vs_torch",
+              "FP8 layer over the bf16 layer": "fp8_speedup"}  # fmt: skip
     panel = bc.bars(rows, series, "speed-up over torch-native (fwd+bwd)", hlines={"parity": 1.0})
     bc.finish(args.out, "moe_layer", {"meta": meta, "rows": rows}, COLUMNS, [panel])
 

@@ -24,7 +24,7 @@ from moekit.ops.quantize import Fp8Tensor, quantize_fp8, requantize_fp8
 from moekit.runtime.op import refuse_double_backward
 from moekit.runtime.state import STATE
 
-__all__ = ["fp8_weight", "grouped_linear_fp8"]
+__all__ = ["fp8_weight", "grouped_linear_fp8", "wgrad_operand"]
 
 
 def fp8_weight(w: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
@@ -39,9 +39,11 @@ def fp8_weight(w: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
     return entry[1], entry[2]
 
 
-def _wgrad_operand(xq: Fp8Tensor) -> Callable[[], Fp8Tensor]:
+def wgrad_operand(xq: Fp8Tensor) -> Callable[[], Fp8Tensor]:
     """x quantized 128×1 along the tokens, stored [K, T], for the backward: later from the
     tokens for permuted rows, now (keeping only the e4m3 bytes) otherwise."""
+    if xq.col is not None:
+        return lambda: xq.col
     if xq.source is not None and xq.source_rows is not None:
         return lambda: requantize_fp8(xq, axis="col", transpose=True)
     xt = requantize_fp8(xq, axis="col", transpose=True)
@@ -54,7 +56,7 @@ class _GroupedLinearFp8Fn(torch.autograd.Function):
         wq, wqt = fp8_weight(w)
         y = grouped_mm_fp8(xq, wq, offsets, out_dtype=out_dtype)
         ctx.wqt = wqt
-        ctx.xt = _wgrad_operand(xq) if ctx.needs_input_grad[1] else None
+        ctx.xt = wgrad_operand(xq) if ctx.needs_input_grad[1] else None
         ctx.x_dtype = x_anchor.dtype
         ctx.w = w  # for its main_grad
         ctx.save_for_backward(offsets)

@@ -1,26 +1,58 @@
 """``grouped_mlp_fp8``: the expert MLP fc1 → (prob-scaled) activation → fc2 with both GEMMs in
-blockwise FP8 (:func:`moekit.ops.fp8_linear.grouped_linear_fp8`).
+blockwise FP8.
 
 Quantization points, forward: the rows (1×128, usually done by ``permute(..., fp8=)``), both
 weights (128×128, cached per weight version), the activation output (1×128 for fc2, and 128×1
-along the tokens for fc2's weight gradient, both from the same fp32 values). Backward: the
-output gradient of each GEMM (1×128 for its dgrad, 128×1 along the tokens for its wgrad), and
-the rows again along the tokens, straight from their tokens. The activation and its backward
-run in fp32 from the bf16 pre-activation h, which is all they keep. The router, the combine
-and everything outside the two GEMMs stay in the caller's precision.
+along the tokens for fc2's weight gradient). Backward: the output gradient of each GEMM (1×128
+for its dgrad, 128×1 along the tokens for its wgrad), and the rows again along the tokens,
+straight from their tokens. The activation's backward runs in fp32 from the saved bf16
+pre-activation h. Everything outside the two GEMMs stays in the caller's precision.
+
+The fused path (F a multiple of 128, and so the GLU interleave): fc1 runs with the activation,
+the probs and both quantizations of its output in its epilogue, from the fp32 accumulator
+(:mod:`moekit.kernels.grouped_mlp`), so the activation output never exists in bf16; on the
+CPU its reference computes the same. Other sizes run the composition of
+:func:`~moekit.ops.fp8_linear.grouped_linear_fp8` and the activation in fp32 (the activation
+output then is rounded to x's dtype before it is quantized), with a one-time warning.
 """
 
 from __future__ import annotations
 
 import torch
 
-from moekit.activations import Activation, apply_activation, resolve_activation
+from moekit.activations import GATED, Activation, apply_activation, resolve_activation
+from moekit.kernels import grouped_mlp as mlp_kernels
+from moekit.kernels.grouped_mlp import Fc1Fp8
 from moekit.ops import validation as v
-from moekit.ops.fp8_linear import grouped_linear_fp8
-from moekit.ops.quantize import Fp8Recipe, Fp8Tensor
-from moekit.runtime.op import refuse_double_backward
+from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
+from moekit.ops.fp8_linear import fp8_weight, grouped_linear_fp8, wgrad_operand
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, stand_in
+from moekit.reference.fp8 import grouped_mm_fp8_ref, quantize_fp8_ref
+from moekit.runtime.device import use_triton
+from moekit.runtime.op import kernel_op, refuse_double_backward
+from moekit.runtime.replay import replayed, tensor_key
+from moekit.runtime.state import memoized, warn_once
+from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
 __all__ = ["grouped_mlp_fp8"]
+
+BLOCK = 128  # the recipe's block
+
+
+@memoized
+def _activation(name: str, limit: float, alpha: float, offset: float) -> Activation:
+    return Activation(name, limit=limit, alpha=alpha, offset=offset)
+
+
+def _activation_grads(h, probs, da, act, interleave) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(dh in h's dtype, dprobs or None) of a = act(h) · probs, in fp32 from h."""
+    with torch.enable_grad():
+        hf = h.detach().float().requires_grad_()
+        a = apply_activation(hf, act, interleave)
+    d = da.float() if probs is None else da.float() * probs.float()[:, None]
+    (dh,) = torch.autograd.grad(a, hf, d)
+    dprobs = None if probs is None else (da.float() * a.detach()).sum(dim=1).to(probs.dtype)
+    return dh.to(h.dtype), dprobs
 
 
 class _ScaledActivationFn(torch.autograd.Function):
@@ -37,16 +69,142 @@ class _ScaledActivationFn(torch.autograd.Function):
     def backward(ctx, da):
         refuse_double_backward("grouped_mlp_fp8")
         h, probs = ctx.saved_tensors
-        act, interleave = ctx.act
-        with torch.enable_grad():
-            hf = h.detach().float().requires_grad_()
-            a = apply_activation(hf, act, interleave)
-        d = da.float() if probs is None else da.float() * probs.float()[:, None]
-        (dh,) = torch.autograd.grad(a, hf, d)
-        dprobs = None
-        if probs is not None and ctx.needs_input_grad[1]:
-            dprobs = (da.float() * a.detach()).sum(dim=1).to(probs.dtype)
-        return dh.to(h.dtype), dprobs, None, None
+        dh, dprobs = _activation_grads(h, probs, da, *ctx.act)
+        return dh, dprobs if ctx.needs_input_grad[1] else None, None, None
+
+
+def _fc1_fake(xd, xs, wd, ws, offsets, probs, act_name, act_consts, interleave, pow2, h_dtype):
+    R, W1 = xd.shape[0], wd.shape[1]
+    F = W1 // 2 if act_name in GATED else W1
+    h = xd.new_empty(R, W1, dtype=h_dtype)
+    a = xd.new_empty(R, F, dtype=torch.float8_e4m3fn)
+    at = xd.new_empty(F, R, dtype=torch.float8_e4m3fn)
+    f32 = dict(dtype=torch.float32)
+    return h, a, xd.new_empty(R, F // BLOCK, **f32), at, xd.new_empty(R // BLOCK, F, **f32)
+
+
+@kernel_op("grouped_mlp_fp8_fc1", fake=_fc1_fake)
+def _fc1(
+    xd: torch.Tensor,  # [R, H] e4m3
+    xs: torch.Tensor,  # [R, ⌈H/128⌉] fp32
+    wd: torch.Tensor,  # [E, W1, H] e4m3
+    ws: torch.Tensor,  # [E, W1/128, ⌈H/128⌉] fp32
+    offsets: torch.Tensor,  # [E] int32, multiples of 128
+    probs: torch.Tensor | None,  # [R]
+    act_name: str,
+    act_consts: list[float],  # the activation's limit, alpha, offset
+    interleave: int,  # 0: [gate | up] halves
+    pow2: bool,
+    h_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h [R, W1], a [R, F] e4m3, its scales, aT [F, R] e4m3, its scales): fc1 in FP8 with the
+    activation (× probs) and its two quantizations in the epilogue; the reference on the CPU:
+    the blockwise product in fp32, act, quantize_fp8's math."""
+    act = _activation(act_name, *act_consts)
+    inter = interleave or None
+    if not use_triton(xd):
+        hf = grouped_mm_fp8_ref(xd, xs, wd, ws, offsets, BLOCK, torch.float32)
+        a = apply_activation(hf, act, inter)
+        a = a * probs.float()[:, None] if probs is not None else a
+        aq, sa = quantize_fp8_ref(a, "row", BLOCK, pow2)
+        at, sat = quantize_fp8_ref(a, "col", BLOCK, pow2)
+        return hf.to(h_dtype), aq, sa, at.t().contiguous(), sat
+    outs = _fc1_fake(xd, xs, wd, ws, offsets, probs, act_name, act_consts, interleave, pow2,
+                     h_dtype)  # fmt: skip
+    h, a, sa, at, sat = outs
+    fp8 = Fc1Fp8(xs, ws, sa, at.view(torch.uint8), sat, pow2)
+    cfg = fp8_ragged_m_config(BLOCK)
+    roles = (xd, xs, wd, ws, offsets, probs, *outs)
+    key = None
+    if xd.is_cuda:
+        key = ("grouped_mlp_fp8_fc1", act, interleave, pow2, h_dtype,
+               *map(tensor_key, roles))  # fmt: skip
+    replayed(
+        key, roles,
+        lambda: mlp_kernels.grouped_mlp_fc1(
+            xd, wd, offsets, a.view(torch.uint8), h, probs, None, act, inter, cfg, fp8
+        ),
+    )  # fmt: skip
+    return outs
+
+
+class _Fc1Fp8Fn(torch.autograd.Function):
+    """rows (their anchor; the Fp8Tensor rides along) → (a's anchor, a e4m3, its scales, aT,
+    its scales): fc1 with the activation and the quantizations of its output fused."""
+
+    @staticmethod
+    def forward(ctx, x_anchor, w1, probs, xq, offsets, act, interleave, pow2):
+        ctx.set_materialize_grads(False)
+        w1q, ctx.w1t = fp8_weight(w1)
+        consts = [act.limit, act.alpha, act.offset]
+        h, a, sa, at, sat = _fc1(
+            xq.data, xq.scale, w1q.data, w1q.scale, offsets, probs, act.name, consts,
+            interleave or 0, pow2, x_anchor.dtype,
+        )  # fmt: skip
+        ctx.save_for_backward(h, probs, offsets)
+        ctx.xt = wgrad_operand(xq) if ctx.needs_input_grad[1] else None
+        ctx.meta = (act, interleave, x_anchor.dtype, w1)
+        ctx.mark_non_differentiable(a, sa, at, sat)
+        return stand_in(x_anchor, a.shape), a, sa, at, sat
+
+    @staticmethod
+    def backward(ctx, da, *_quantized):
+        refuse_double_backward("grouped_mlp_fp8")
+        h, probs, offsets = ctx.saved_tensors
+        act, interleave, x_dtype, w1 = ctx.meta
+        dh, dprobs = _activation_grads(h, probs, da, act, interleave)
+        dx = dw1 = None
+        if ctx.needs_input_grad[0]:
+            dx = grouped_mm_fp8(quantize_fp8(dh), ctx.w1t, offsets, out_dtype=x_dtype)
+        if ctx.needs_input_grad[1]:
+            dht = quantize_fp8(dh, axis="col", transpose=True)
+            main_grad = getattr(w1, "main_grad", None)
+            if main_grad is not None:
+                grouped_mm_fp8_wgrad(dht, ctx.xt(), offsets, out=main_grad, accumulate=True)
+            else:
+                dw1 = grouped_mm_fp8_wgrad(dht, ctx.xt(), offsets).to(w1.dtype)
+        ctx.w1t = ctx.xt = None
+        dprobs = dprobs if ctx.needs_input_grad[2] else None
+        return dx, dw1, dprobs, None, None, None, None, None
+
+
+def _fused_fc1(xq, offsets, w1, probs, act, interleave, recipe) -> Fp8Tensor:
+    """a = act(fc1(x)) · probs as an Fp8Tensor (1×128, with its 128×1 copy along the tokens)."""
+    anchor = xq.anchor
+    if anchor is None:
+        anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
+    if xq.scale.stride(-1) != 1 or not xq.data.is_contiguous():
+        raise ValueError("x must be a contiguous Fp8Tensor (as quantize_fp8 and permute give)")
+    a_anchor, a, sa, at, sat = _Fc1Fp8Fn.apply(
+        anchor, w1, probs, xq, offsets, act, interleave, recipe.pow2_scale
+    )
+    col = Fp8Tensor(at, sat, "col", BLOCK, transposed=True)
+    return Fp8Tensor(a, sa, "row", BLOCK, anchor=a_anchor, col=col)
+
+
+def _check_args(x, offsets, w1, w2, probs, act, glu_interleave, recipe) -> torch.Tensor:
+    """The rows' tensor (x, or an Fp8Tensor's data) of a checked call."""
+    if not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be a moekit.ops.Fp8Recipe, got {type(recipe).__name__}")
+    if recipe.scaling != "blockwise":
+        raise ValueError(f"grouped_mlp_fp8 runs the blockwise recipe, got {recipe.scaling!r}")
+    if isinstance(x, Fp8Tensor) and (x.axis != "row" or x.block != BLOCK or x.transposed):
+        raise ValueError(
+            "x must be an Fp8Tensor quantized with axis='row', block=128 (quantize_fp8(x), "
+            f"permute(..., fp8=)), got axis={x.axis!r}, block={x.block}"
+        )
+    rows = x.data if isinstance(x, Fp8Tensor) else v.check_tensor("x", x)
+    v.check_ndim("x", rows, 2, "[R, H]")
+    v.check_mlp_weights(rows, w1, w2, act, same_dtype=False)
+    v.check_interleave(glu_interleave, act, w2.shape[2])
+    for name, size in (("H (x.shape[1])", rows.shape[1]), ("F (w2.shape[2])", w2.shape[2])):
+        if size % 16:
+            raise ValueError(f"{name} must be a multiple of 16 for the FP8 GEMMs, got {size}")
+    if probs is not None:
+        probs = v.check_tensor("probs", probs)
+        v.check_ndim("probs", probs, 1, "[R]")
+        v.check_dim_size("probs", probs, 0, rows.shape[0], "x.shape[0] (R)")
+    return rows
 
 
 def grouped_mlp_fp8(
@@ -65,8 +223,10 @@ def grouped_mlp_fp8(
     Args:
         x: [R, H] rows grouped by expert: bf16/fp16/fp32, or an Fp8Tensor of them quantized
             1×128 (``permute(..., fp8=)``: quantized once, differentiable through its anchor).
-        offsets: [E] int32/int64 cumulative row ends, each a multiple of 128 when a weight
-            needs a gradient (``permute(align=128)``).
+            R a multiple of 128 (``permute(fp8=)`` pads to it) on the fused path.
+        offsets: [E] int32/int64 cumulative row ends, each a multiple of 128
+            (``permute(align=128)``): the weight gradients and the fused fc1 work on 128-row
+            blocks of one expert.
         w1: [E, 2F, H] (gated; ``[:F]`` gate rows) or [E, F, H]; w2: [E, H, F]. H and F must
             be multiples of 16; fp32 ``main_grad`` attributes receive the weight gradients.
         probs: optional [R] routing probabilities scaling each row's activation output.
@@ -78,23 +238,32 @@ def grouped_mlp_fp8(
         Differentiable in x, w1, w2 and probs.
     """
     act = resolve_activation(activation)
-    recipe = recipe or Fp8Recipe()
-    if not isinstance(recipe, Fp8Recipe):
-        raise TypeError(f"recipe must be a moekit.ops.Fp8Recipe, got {type(recipe).__name__}")
-    if recipe.scaling != "blockwise":
-        raise ValueError(f"grouped_mlp_fp8 runs the blockwise recipe, got {recipe.scaling!r}")
-    rows = x.data if isinstance(x, Fp8Tensor) else v.check_tensor("x", x)
-    v.check_ndim("x", rows, 2, "[R, H]")
-    v.check_mlp_weights(rows, w1, w2, act, same_dtype=False)
-    v.check_interleave(glu_interleave, act, w2.shape[2])
-    for name, size in (("H (x.shape[1])", rows.shape[1]), ("F (w2.shape[2])", w2.shape[2])):
-        if size % 16:
-            raise ValueError(f"{name} must be a multiple of 16 for the FP8 GEMMs, got {size}")
-    if probs is not None:
-        probs = v.check_tensor("probs", probs)
-        v.check_ndim("probs", probs, 1, "[R]")
-        v.check_dim_size("probs", probs, 0, rows.shape[0], "x.shape[0] (R)")
+    recipe = recipe if recipe is not None else Fp8Recipe()
+    rows = _check_args(x, offsets, w1, w2, probs, act, glu_interleave, recipe)
     dtype = x.orig_dtype if isinstance(x, Fp8Tensor) else x.dtype
+    F_ = w2.shape[2]
+    unfused = _unfused_reason(rows.shape[0], F_, glu_interleave)
+    if unfused is None:
+        xq = x if isinstance(x, Fp8Tensor) else quantize_fp8(x, pow2_scale=recipe.pow2_scale)
+        v.check_offsets_values(offsets, rows.shape[0], rows_what="x.shape[0] (R)")
+        a = _fused_fc1(xq, offsets.contiguous(), w1, probs, act, glu_interleave, recipe)
+        return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype)
+    warn_once(
+        ("grouped_mlp_fp8", unfused),
+        f"moekit.grouped_mlp_fp8: fused fc1 unavailable ({unfused}); running fc1, the "
+        "activation and fc2 one after another",
+    )
     h = grouped_linear_fp8(x, w1, offsets, out_dtype=dtype)
     a = _ScaledActivationFn.apply(h, probs, act, glu_interleave)
     return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype)
+
+
+def _unfused_reason(R: int, F_: int, interleave: int | None) -> str | None:
+    """Why the fused fc1 cannot run (None if it can): its tiles are 128×128 blocks."""
+    if F_ % BLOCK:
+        return f"F = {F_} is not a multiple of {BLOCK}"
+    if interleave is not None and interleave % BLOCK:
+        return f"glu_interleave = {interleave} is not a multiple of {BLOCK}"
+    if R % BLOCK:
+        return f"the rows R = {R} are not a multiple of {BLOCK}"
+    return None

@@ -96,6 +96,9 @@ class Fp8Tensor:
     # rounding (requantize_fp8): x = source, or x[m] = source[source_rows[m]] (zeros for −1).
     source: torch.Tensor | None = None
     source_rows: torch.Tensor | None = None  # [M] int32
+    # The same values quantized along the tokens (axis="col", stored transposed) by the kernel
+    # that made them, from the same fp32 values: what a weight gradient takes of them.
+    col: Fp8Tensor | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -282,9 +285,12 @@ def requantize_fp8(
     activation quantized 1×128 for its forward GEMM, needed 128×1 along the tokens by its
     weight gradient.
 
-    From ``t.source`` (and ``t.source_rows``) when t kept them: one rounding, as if quantized
-    from the start. Otherwise from ``t.dequantize()``: a second rounding, whose error the
-    docs (docs/fp8.md) bound. Not differentiable (the result has no anchor)."""
+    The copy the producing kernel made (``t.col``), else from ``t.source`` (and
+    ``t.source_rows``) when t kept them: one rounding, as if quantized from the start.
+    Otherwise from ``t.dequantize()``: a second rounding, whose error the docs (docs/fp8.md)
+    bound. Not differentiable (the result has no anchor)."""
+    if t.col is not None and axis == "col" and transpose:
+        return t.col
     src = t.source if t.source is not None else t.dequantize()
     rows = t.source_rows if t.source is not None else None
     with torch.no_grad():

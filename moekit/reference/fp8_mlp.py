@@ -6,7 +6,9 @@ derivative comes from autograd, in fp32).
 Quantization points (blockwise recipe; "row" = 1×128 along the last dim, "col" = 128×1 along
 the tokens, "both" = 128×128)::
 
-    forward    x → row,  w1 → both,  h = x·w1ᵀ → bf16,  a = act(h)·p → bf16 → row,  w2 → both,
+    forward    x → row,  w1 → both,  h = x·w1ᵀ (fp32; saved in bf16),  a = act(h)·p → row and
+               col (from fp32, as the fused fc1's epilogue does; ``fused=False``: from the bf16
+               h, rounded to bf16 first, as the unfused composition does),  w2 → both,
                y = a·w2ᵀ
     backward   dy → row (dgrad) and col (wgrad),  a → col,  da = dy·w2 → bf16,
                dh = act'(h)·(da·p) → bf16 → row (dgrad) and col (wgrad),  x → col,
@@ -52,17 +54,22 @@ def grouped_mlp_fp8_ref(
     dy: torch.Tensor,  # [R, H] the output's gradient
     act: Activation,
     interleave: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,  # the layer's dtype (h, a, da, dh are rounded to it)
+    dtype: torch.dtype = torch.bfloat16,  # the layer's dtype (h, da, dh are rounded to it)
+    fused: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """(y, dx, dw1, dw2, dprobs or None) of the FP8 MLP, all fp32 (y, dx: [R, H])."""
     R = x.shape[0]
     bounds = [0, *offsets.tolist()]
     x, dy = x.float(), dy.float()
     w1q, w2q = fake_quantize(w1.float(), "both"), fake_quantize(w2.float(), "both")
-    h = _rows_times(fake_quantize(x, "row"), w1q.transpose(1, 2), bounds, R).to(dtype).float()
+    h32 = _rows_times(fake_quantize(x, "row"), w1q.transpose(1, 2), bounds, R)
+    h = h32.to(dtype).float()
     act_h = apply_activation(h, act, interleave)
     p = probs.float()[:, None] if probs is not None else torch.ones(R, 1, device=x.device)
-    a = (act_h * p).to(dtype).float()
+    if fused:
+        a = apply_activation(h32, act, interleave) * p
+    else:
+        a = (act_h * p).to(dtype).float()
     y = _rows_times(fake_quantize(a, "row"), w2q.transpose(1, 2), bounds, R)
 
     da = _rows_times(fake_quantize(dy, "row"), w2q, bounds, R).to(dtype).float()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import moekit
 from moekit.activations import Activation, apply_activation
 from moekit.config import interpret_mode
 from moekit.ops import permute
@@ -123,6 +124,27 @@ def test_fp8_dispatch_feeds_the_mlp_and_trains_the_tokens():
     for name, a, b in (("y", y, y2), ("dx", x.grad, x2.grad), ("dw1", w1.grad, w1b.grad),
                        ("dw2", w2.grad, w2b.grad), ("dprobs", p.grad, p2.grad)):  # fmt: skip
         _close(a, b, 1e-6, name)
+
+
+def test_an_f_off_the_block_runs_the_composition_and_says_so():
+    # F = 96: fc1's epilogue cannot quantize whole 1×128 blocks, so fc1, the activation (in
+    # fp32, rounded to the layer's dtype) and fc2 run one after another, with a warning
+    torch.manual_seed(3)
+    counts, Fs = [128, 256], 96
+    R = sum(counts)
+    offsets = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(R, H).to(DTYPE)
+    w1 = (torch.randn(2, 2 * Fs, H) / H**0.5).to(DTYPE)
+    w2 = (torch.randn(2, H, Fs) / Fs**0.5).to(DTYPE)
+    probs = torch.rand(R).to(DTYPE)
+    dy = torch.randn(R, H).to(DTYPE)
+    moekit.clear_state()  # the warning is given once per process state
+    with pytest.warns(RuntimeWarning, match="F = 96 is not a multiple of 128"):
+        got = _grads(x, offsets, w1, w2, probs, dy)
+    want = grouped_mlp_fp8_ref(x, offsets, w1, w2, probs, dy, Activation("swiglu"), dtype=DTYPE,
+                               fused=False)  # fmt: skip
+    for name, g, w in zip(("y", "dx", "dw1", "dw2", "dprobs"), got, want, strict=True):
+        _close(g, w, 1e-2, name)
 
 
 def test_main_grad_and_no_grad():
