@@ -1,9 +1,13 @@
-"""FP8 (e4m3) blockwise quantization: :func:`quantize_fp8` and the :class:`Fp8Tensor` it returns.
+"""FP8 (e4m3) quantization: :func:`quantize_fp8`, the :class:`Fp8Tensor` it returns and the
+:class:`Fp8Recipe` that names how the FP8 layers scale their operands.
 
-The recipe of DeepSeek-V3 and TransformerEngine's ``Float8BlockScaling``: one fp32 scale per
-block of 1×128 (activations and output gradients, ``axis="row"``), 128×1 along the token
-dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
-``axis="both"``). The math and its edge cases (zero blocks, NaN, inf): :mod:`moekit.reference.fp8`.
+Blockwise, the recipe of DeepSeek-V3 and TransformerEngine's ``Float8BlockScaling``: one fp32
+scale per block of 1×128 (activations and output gradients, ``axis="row"``), 128×1 along the
+token dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
+``axis="both"``). Rowwise (``block=None``), the recipe of torch's and torchao's FP8 GEMMs: one
+scale per whole row (activations, output gradients, and a weight's output channels) or per whole
+column (a weight's input channels, for its dgrad). The math and its edge cases (zero blocks,
+NaN, inf): :mod:`moekit.reference.fp8`.
 
 CUDA tensors run :mod:`moekit.kernels.fp8` (compute capability 8.9 or newer); CPU tensors the
 reference, or the kernel in Triton's interpreter with ``TRITON_INTERPRET=1``. Quantization is not
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import torch
 
@@ -23,30 +28,56 @@ from moekit.reference.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_sha
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.tuning.fp8 import quantize_config
+from moekit.tuning.fp8 import quantize_config, rowwise_quantize_config
 
-__all__ = ["AXES", "BLOCKS", "Fp8Tensor", "quantize_fp8"]
+__all__ = ["AXES", "BLOCKS", "SCALINGS", "Fp8Recipe", "Fp8Tensor", "quantize_fp8"]
 
 AXES = ("row", "col", "both")
 BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
+SCALINGS = ("blockwise", "rowwise")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Recipe:
+    """How an FP8 layer quantizes its operands (docs/fp8.md).
+
+    ``scaling``: ``"blockwise"`` (activations and output gradients 1×128, weights 128×128,
+    the GEMMs promoting to fp32 once per 128 of K) or ``"rowwise"`` (one scale per row of the
+    activations and output gradients and per output channel of the weights, the whole K
+    summed in the tensor cores and scaled once). The weight gradient's operands are 128×1
+    blocks along the tokens under both.
+    ``pow2_scale``: every scale rounded up to a power of two.
+    """
+
+    scaling: Literal["blockwise", "rowwise"] = "blockwise"
+    pow2_scale: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.scaling, str):
+            raise TypeError(f"Fp8Recipe.scaling must be a str, got {type(self.scaling).__name__}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        if not isinstance(self.pow2_scale, bool):
+            raise TypeError(
+                f"Fp8Recipe.pow2_scale must be a bool, got {type(self.pow2_scale).__name__}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
-    """A tensor quantized blockwise to e4m3: ``x ≈ data · scale``, each scale spread over its
-    block.
+    """A tensor quantized to e4m3: ``x ≈ data · scale``, each scale spread over its block.
 
     ``data``: e4m3 (``torch.float8_e4m3fn``), the shape of the source (its last two dims
     swapped when ``transposed``).
     ``scale``: fp32 dequantization factors (a block's amax / 448, or the next power of two up),
-    of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for data
-    [..., M, K] and ``block`` B.
+    of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for x
+    [..., M, K] and ``block`` B; rowwise (``block`` None) row [..., 1], col [..., 1, K].
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     axis: str  # "row" (1×B blocks), "col" (B×1 along dim -2) or "both" (B×B)
-    block: int
+    block: int | None  # None: rowwise, the block spans the whole row (or column)
     # data stored transposed in its last two dims ([..., K, M], contiguous): the layout a GEMM
     # that contracts over M wants (the wgrad's operands, M the tokens); scale as for x
     transposed: bool = False
@@ -70,11 +101,14 @@ class Fp8Tensor:
     def t(self) -> Fp8Tensor:
         """The transpose of the last two dims, stored contiguous (e.g. a weight [E, N, K] as
         [E, K, N], the operand of its dgrad). Only for B×B blocks, whose scales transpose
-        with the data: no second quantization, the same values."""
+        with the data: no second quantization, the same values. (A rowwise weight's dgrad
+        operand has its scales along the other dim: ``quantize_fp8(w, axis="col",
+        block=None, transpose=True)``.)"""
         if self.axis != "both" or self.transposed:
             raise ValueError(
                 "only an Fp8Tensor with axis='both' stored untransposed transposes as it is, got "
-                f"axis={self.axis!r}, transposed={self.transposed}"
+                f"axis={self.axis!r}, transposed={self.transposed} (a rowwise weight's dgrad "
+                "operand: quantize_fp8(w, axis='col', block=None, transpose=True))"
             )
         data = self.data.transpose(-2, -1).contiguous()
         return Fp8Tensor(data, self.scale.transpose(-2, -1).contiguous(), "both", self.block)
@@ -88,7 +122,7 @@ def _quantize_fake(x, axis, block, pow2_scale, transpose):
 
 @kernel_op("quantize_fp8", fake=_quantize_fake)
 def _quantize(
-    x: torch.Tensor, axis: str, block: int, pow2_scale: bool, transpose: bool
+    x: torch.Tensor, axis: str, block: int | None, pow2_scale: bool, transpose: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data, scale) of a checked call."""
     if not use_triton(x):
@@ -101,17 +135,21 @@ def _quantize(
     d3 = data.view(torch.uint8)
     d3 = d3.view(lead, x3.shape[2], x3.shape[1]).transpose(1, 2) if transpose else d3.view(x3.shape)
     s3 = scale.view(x3.shape[0], x3.shape[1] if axis == "row" else scale.shape[-2], scale.shape[-1])
-    cfg = quantize_config(axis, block)
     per_row, per_col = axis == "row", axis == "col"
+    if block is None:  # one scale per line: a row of x3 (row), a column (col)
+        cfg = rowwise_quantize_config(axis, x3.shape[2] if per_row else x3.shape[1])
+        run = lambda: kernels.quantize_fp8_rowwise(x3, d3, s3, per_row, pow2_scale, cfg)
+    else:
+        cfg = quantize_config(axis, block)
+        run = lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg)
     key = None
     if x.is_cuda:
         # d3's strides tell a transposed output apart
         key = ("quantize_fp8", axis, block, pow2_scale, *map(tensor_key, (x3, d3, s3)))
     if x3.numel():
-        replayed(
-            key, (x3, d3, s3),
-            lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg),
-        )  # fmt: skip
+        replayed(key, (x3, d3, s3), run)
+    elif scale.numel():  # rowwise, over empty rows or columns: the scale of a zero block
+        scale.fill_(1.0)
     return data, scale
 
 
@@ -119,22 +157,27 @@ def quantize_fp8(
     x: torch.Tensor,
     *,
     axis: str = "row",
-    block: int = 128,
+    block: int | None = 128,
     pow2_scale: bool = False,
     transpose: bool = False,
 ) -> Fp8Tensor:
-    """Quantize ``x`` blockwise to e4m3 with one fp32 scale per block.
+    """Quantize ``x`` to e4m3 with one fp32 scale per block (blockwise) or per whole row or
+    column (rowwise, ``block=None``).
 
     Args:
         x: [..., K] for ``axis="row"`` (1×``block`` blocks along K), [..., M, K] for ``"col"``
             (``block``×1 blocks along M) and ``"both"`` (``block``×``block``, e.g. a weight
             [E, N, K]); bf16, fp16 or fp32, any strides. Edge blocks may be partial.
         axis: which blocks, as above.
-        block: the block side, one of 16, 32, 64, 128 (the recipe's).
+        block: the block side, one of 16, 32, 64, 128 (the blockwise recipe's); or None for
+            ``"row"`` and ``"col"``: the block spans the whole dimension (rowwise), scale
+            [..., 1] (row: per row, e.g. activations [T, K], or a weight [E, N, K]'s output
+            channels) or [..., 1, K] (col: per column, e.g. a weight's input channels).
         pow2_scale: round each scale up to a power of two (dequantization then only shifts
             exponents; the values lose up to one bit of range use).
         transpose: store ``data`` transposed in its last two dims (``"col"`` and ``"both"``):
-            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands).
+            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands, and with
+            ``block=None`` a rowwise weight's dgrad operand: data [E, K, N], scale [E, 1, K]).
 
     Returns:
         :class:`Fp8Tensor` with ``data`` (x's shape, e4m3) and ``scale`` (fp32). Not
@@ -148,8 +191,14 @@ def quantize_fp8(
     if x.dim() < need:
         shape = "[..., K]" if need == 1 else "[..., M, K]"
         raise ValueError(f"x must be {shape} for axis={axis!r}, got shape {tuple(x.shape)}")
-    if isinstance(block, bool) or block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    if block is None:
+        if axis == "both":
+            raise ValueError(
+                "block=None (one scale per whole row or column) applies to axis='row' or "
+                "'col', got axis='both'"
+            )
+    elif isinstance(block, bool) or block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS} or None, got {block!r}")
     for name, flag in (("pow2_scale", pow2_scale), ("transpose", transpose)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
