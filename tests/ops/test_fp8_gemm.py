@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from moekit.config import interpret_mode
-from moekit.ops.quantize import Fp8Tensor, quantize_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8
 from moekit.reference.fp8 import quantize_fp8_ref
 from tests._cuda_step import sync_free_capture
 
@@ -325,50 +325,74 @@ def _linear_case(counts, K, N, main_grad=False):
 
 
 @interp
-@pytest.mark.parametrize("main_grad", [False, True])
-def test_grouped_linear_fp8_forward_and_backward(main_grad):
-    # Each pass equals its blockwise reference on the quantized operands the recipe names:
-    # y from x (1x128) and w (128x128); dx from dy (1x128) and w's transpose; dw from dy and x
-    # quantized 128x1 along the tokens, each from its own high-precision source
+@pytest.mark.parametrize(
+    "recipe, main_grad",
+    [(None, False), (None, True), (Fp8Recipe("rowwise", pow2_scale=True), False)],
+    ids=["blockwise", "blockwise-main_grad", "rowwise-pow2"],
+)
+def test_grouped_linear_fp8_forward_and_backward(recipe, main_grad):
+    # Each pass equals its recipe's reference on the quantized operands the recipe names.
+    # Blockwise: y from x (1x128) and w (128x128); dx from dy (1x128) and w's transpose.
+    # Rowwise: y from x and w per row / output channel; dx from dy per row and w per input
+    # channel. Both: dw from dy and x quantized 128x1 along the tokens, each quantization from
+    # its own high-precision source, every scale a power of two with pow2_scale
     from moekit.ops.fp8_linear import grouped_linear_fp8
-    from moekit.reference.fp8 import grouped_mm_fp8_ref, grouped_mm_fp8_wgrad_ref
+    from moekit.reference.fp8 import grouped_mm_fp8_wgrad_ref
 
     x, w, offsets = _linear_case([128, 0, 256], 256, 192, main_grad)
-    y = grouped_linear_fp8(x, w, offsets)
+    rowwise, pow2 = recipe is not None, recipe is not None and recipe.pow2_scale
+    if rowwise:  # a non-contiguous input, read as it is
+        x = x.detach().t().contiguous().t().requires_grad_()
+    y = grouped_linear_fp8(x, w, offsets, recipe=recipe)
     dy = torch.randn_like(y)
     y.backward(dy)
-    xq, wq, dyq = quantize_fp8(x.detach()), quantize_fp8(w.detach(), axis="both"), quantize_fp8(dy)
+    block = None if rowwise else 128
+    xq, dyq = (_ref_quantize(t, block=block, pow2_scale=pow2) for t in (x, dy))
+    if rowwise:
+        wq = _ref_quantize(w, block=None, pow2_scale=pow2)
+        wd = _ref_quantize(w, axis="col", block=None, pow2_scale=pow2, transpose=True)
+    else:
+        wq = _ref_quantize(w, axis="both")
+        wd = wq.t()
     tol = dict(rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(
-        y, grouped_mm_fp8_ref(xq.data, xq.scale, wq.data, wq.scale, offsets, 128, y.dtype), **tol
-    )
-    wt = wq.t()
-    want_dx = grouped_mm_fp8_ref(dyq.data, dyq.scale, wt.data, wt.scale, offsets, 128, x.dtype)
-    torch.testing.assert_close(x.grad, want_dx, **tol)
-    dyt = quantize_fp8(dy, axis="col", transpose=True)
-    xt = quantize_fp8(x.detach(), axis="col", transpose=True)
+    torch.testing.assert_close(y, _reference(xq, wq, offsets, y.dtype), **tol)
+    torch.testing.assert_close(x.grad, _reference(dyq, wd, offsets, x.dtype), **tol)
+    dyt, xt = (_ref_quantize(t, axis="col", transpose=True, pow2_scale=pow2) for t in (dy, x))
     want_dw = grouped_mm_fp8_wgrad_ref(dyt.data, dyt.scale, xt.data, xt.scale, offsets, 128)
     got_dw = w.main_grad if main_grad else w.grad
     torch.testing.assert_close(got_dw, want_dw, **tol)
     assert (w.grad is None) == main_grad
 
 
-def test_fp8_weight_cache_follows_the_weight_version():
+def test_fp8_weight_cache_follows_the_weight_version_and_recipe():
     from moekit.ops.fp8_linear import fp8_weight
 
     w = torch.randn(2, 128, 128, requires_grad=True)
     first = fp8_weight(w)
     assert fp8_weight(w)[0] is first[0]  # the same copy while w is unchanged
+    assert fp8_weight(w, Fp8Recipe())[0] is first[0]  # None is the default recipe
+    rowwise = fp8_weight(w, Fp8Recipe("rowwise"))  # a copy of its own, beside the blockwise one
+    assert rowwise[0].block is None and rowwise[1].axis == "col" and rowwise[1].transposed
+    assert fp8_weight(w)[0] is first[0] and fp8_weight(w, Fp8Recipe("rowwise"))[1] is rowwise[1]
+    assert fp8_weight(w, Fp8Recipe(pow2_scale=True))[0] is not first[0]
     with torch.no_grad():
         w.mul_(2.0)  # an optimizer step: in place, the version moves
     second = fp8_weight(w)
     assert second[0] is not first[0]
     torch.testing.assert_close(second[0].dequantize(), 2 * first[0].dequantize())
     assert torch.equal(second[1].data, second[0].t().data)
+    from moekit.runtime.state import STATE
+
+    assert len(STATE.fp8_weights[w]) == 1  # the older version's copies went
+    with pytest.raises(TypeError, match="recipe must be an Fp8Recipe or None, got str"):
+        from moekit.ops.fp8_linear import grouped_linear_fp8
+
+        grouped_linear_fp8(torch.randn(4, 128), w, torch.tensor([4]), recipe="rowwise")
 
 
 @pytest.mark.gpu
-def test_gpu_grouped_linear_fp8_step_sync_free_and_captured():
+@pytest.mark.parametrize("recipe", [None, Fp8Recipe("rowwise")], ids=["blockwise", "rowwise"])
+def test_gpu_grouped_linear_fp8_step_sync_free_and_captured(recipe):
     from moekit.ops.fp8_linear import grouped_linear_fp8
 
     torch.manual_seed(0)
@@ -379,7 +403,7 @@ def test_gpu_grouped_linear_fp8_step_sync_free_and_captured():
     w.main_grad = torch.zeros(w.shape, device="cuda")
 
     def step():
-        y = grouped_linear_fp8(x, w, offsets)
+        y = grouped_linear_fp8(x, w, offsets, recipe=recipe)
         y.backward(torch.ones_like(y))
 
     graph, _ = sync_free_capture(step)  # three warm-up steps and one checked step
@@ -389,3 +413,7 @@ def test_gpu_grouped_linear_fp8_step_sync_free_and_captured():
     dw = torch.stack([xf[s : s + c].sum(0).expand(N, K) for s, c in zip(bounds, counts)])
     rel = (w.main_grad / 5 - dw).norm() / dw.norm()
     assert rel < 0.05, rel  # dy of ones: dw[e] is the column sums of x's rows of e
+    wf = w.detach().float()
+    dx = torch.cat([wf[e].sum(0).expand(c, K) for e, c in enumerate(counts)])
+    rel = (x.grad.float() / 5 - dx).norm() / dx.norm()
+    assert rel < 0.05, rel  # and dx[t] the column sums of its expert's weight
