@@ -93,33 +93,28 @@ def test_dtypes_and_strides(dtype):
 
 
 @interp
-def test_zero_blocks_nan_and_inf():
-    x = torch.randn(4, 256)
+@pytest.mark.parametrize("block", [128, None], ids=["blockwise", "rowwise"])
+def test_zero_blocks_nan_and_inf(block):
+    # rowwise the block is the whole row: one inf entry turns its whole row to zeros and NaN
+    # (a non-finite loss), where blockwise loses only the entry's 128 block
+    x = torch.randn(4, 300)
     x[0] = 0.0  # an all-zero block: scale 1, data 0
     x[1, 3] = float("nan")  # left out of its block's amax, quantized to NaN
     x[2, 130] = float("inf")  # its block's scale is inf: finite entries 0, the inf NaN
-    q = _check(x, "row", 128, False)
+    q = _check(x, "row", block, False)
+
+    def block_of(col):  # (scale index, columns) of column col's block
+        if block is None:
+            return 0, slice(None)
+        return col // 128, slice(col // 128 * 128, (col // 128 + 1) * 128)
+
     assert (q.scale[0] == 1).all() and (q.data[0].float() == 0).all()
-    assert q.data[1, 3].float().isnan() and q.scale[1, 0].isfinite()
-    assert (q.data[1, :128].float().isnan().sum()) == 1
-    assert q.scale[2, 1] == float("inf") and q.data[2, 130].float().isnan()
-    assert (q.data[2, 128:256].float().nan_to_num(0.0) == 0).all()
-
-
-@interp
-def test_rowwise_zero_rows_nan_and_inf():
-    # as blockwise, with the whole row as the block: one inf entry turns its whole row to
-    # zeros and NaN (a non-finite loss), where blockwise loses only the entry's 128 block
-    x = torch.randn(4, 300)
-    x[0] = 0.0  # an all-zero row: scale 1, data 0
-    x[1, 3] = float("nan")  # left out of its row's amax, quantized to NaN
-    x[2, 130] = float("inf")  # the row's scale is inf: finite entries 0, the inf NaN
-    q = _check(x, "row", None, False)
-    assert q.scale[0] == 1 and (q.data[0].float() == 0).all()
-    assert q.data[1, 3].float().isnan() and q.scale[1].isfinite()
-    assert q.data[1].float().isnan().sum() == 1
-    assert q.scale[2] == float("inf") and q.data[2, 130].float().isnan()
-    assert (q.data[2].float().nan_to_num(0.0) == 0).all()
+    kb, cols = block_of(3)
+    assert q.data[1, 3].float().isnan() and q.scale[1, kb].isfinite()
+    assert q.data[1, cols].float().isnan().sum() == 1
+    kb, cols = block_of(130)
+    assert q.scale[2, kb] == float("inf") and q.data[2, 130].float().isnan()
+    assert (q.data[2, cols].float().nan_to_num(0.0) == 0).all()
 
 
 @interp
