@@ -1,8 +1,15 @@
-"""Blockwise e4m3 quantization (the math: :mod:`moekit.reference.fp8`).
+"""Blockwise and rowwise e4m3 quantization (the math: :mod:`moekit.reference.fp8`).
 
-One program quantizes one [BLOCK_M, BLOCK_K] tile of a [B, M, K] tensor and writes its scales:
-per row of the tile (``axis="row"``: 1×BLOCK_K blocks), per column (``"col"``: BLOCK_M×1) or
-one for the tile (``"both"``: BLOCK_M×BLOCK_K), the block size being the tile's side.
+Blockwise: one program quantizes one [BLOCK_M, BLOCK_K] tile of a [B, M, K] tensor and writes
+its scales: per row of the tile (``axis="row"``: 1×BLOCK_K blocks), per column (``"col"``:
+BLOCK_M×1) or one for the tile (``"both"``: BLOCK_M×BLOCK_K), the block size being the tile's
+side.
+
+Rowwise (one scale per whole row, up to K = 28672 and more): a row does not fit one tile, so a
+program takes BLOCK_M whole rows and reads them twice, stepping BLOCK_K along K: the amax
+first, then the quantization with the row's scale. Per whole column (``"col"``) is the same
+kernel on the transposed views. A program's rows are kept short enough (the config) that the
+second read finds them in L2.
 
 Rounding to e4m3 is done in fp32 arithmetic first (round to nearest even at the value's e4m3
 spacing), so the conversion itself only meets representable values: Triton's CPU interpreter
@@ -19,7 +26,7 @@ import triton.language as tl
 from moekit.runtime.replay import launch
 from moekit.tuning.fp8 import QuantizeConfig
 
-__all__ = ["e4m3_bytes", "e4m3_scale", "quantize_fp8"]
+__all__ = ["e4m3_bytes", "e4m3_scale", "quantize_fp8", "quantize_fp8_rowwise"]
 
 
 @triton.jit
@@ -123,5 +130,61 @@ def quantize_fp8(
         _quantize_fp8_kernel, grid, x, data, scale, rows if rows is not None else scale, M, K,
         *x.stride(), *data.stride(), *scale.stride(), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         PER_ROW=per_row, PER_COL=per_col, POW2=pow2, GATHER=rows is not None,
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_fp8_rowwise_kernel(
+    x_ptr, q_ptr, s_ptr,  # pointers: x [B, M, K], q [B, M, K] uint8 (e4m3 bytes), s [B, M] fp32
+    M, K,  # sizes
+    stride_x_b, stride_x_m, stride_x_k,  # strides (elements)
+    stride_q_b, stride_q_m, stride_q_k,
+    stride_s_b, stride_s_m,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,  # meta: rows per program, K per step
+    POW2: tl.constexpr,  # scales rounded up to powers of two
+):  # fmt: skip
+    """scale[b, m] = amax/448 over the whole row x[b, m, :] (NaN left out, 1 for an all-zero
+    or empty row); q = e4m3(x / scale). Two passes over the program's BLOCK_M rows."""
+    pid_m, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows[:, None] < M
+    x_rows = x_ptr + b * stride_x_b + rows[:, None] * stride_x_m
+    q_rows = q_ptr + b * stride_q_b + rows[:, None] * stride_q_m
+    mag = tl.zeros([BLOCK_M, 1], dtype=tl.float32)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    for ki in range(k_steps):
+        cols = ki * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)  # times a stride: int64
+        mask = row_in & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :] * stride_x_k, mask=mask, other=0.0).to(tl.float32)
+        x_mag = tl.where(x == x, tl.abs(x), 0.0)
+        mag = tl.maximum(mag, tl.max(x_mag, axis=1, keep_dims=True))
+    scale = e4m3_scale(mag, POW2)  # [BLOCK_M, 1]
+    for ki in range(k_steps):
+        cols = ki * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
+        mask = row_in & (cols[None, :] < K)
+        x = tl.load(x_rows + cols[None, :] * stride_x_k, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_rows + cols[None, :] * stride_q_k, e4m3_bytes(x, scale), mask=mask)
+    tl.store(s_ptr + b * stride_s_b + rows[:, None] * stride_s_m, scale, mask=row_in)
+
+
+def quantize_fp8_rowwise(
+    x: torch.Tensor,  # [B, M, K] bf16 / fp16 / fp32, any strides
+    data: torch.Tensor,  # [B, M, K] uint8 view of the e4m3 output
+    scale: torch.Tensor,  # [B, M, 1] per row, [B, 1, K] per column
+    per_row: bool,  # one scale per whole row, else per whole column
+    pow2: bool,
+    cfg: QuantizeConfig,
+) -> None:
+    """Launch the rowwise quantization of x into ``data`` and ``scale``: a per-column scale is
+    the per-row one of the transposed views. ``cfg``'s block_m counts the lines (rows, or
+    columns) of a program and its block_k the step along them."""
+    if not per_row:
+        x, data, scale = (t.transpose(1, 2) for t in (x, data, scale))
+    B, M, K = x.shape
+    grid = (triton.cdiv(M, cfg.block_m), B)
+    launch(
+        _quantize_fp8_rowwise_kernel, grid, x, data, scale, M, K, *x.stride(), *data.stride(),
+        scale.stride(0), scale.stride(1), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, POW2=pow2,
         num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -52,11 +52,22 @@ from moekit.runtime.tma import tma_ready
 from moekit.tuning.grouped_gemm import GemmConfig
 
 __all__ = [
+    "SCALE_BLOCKWISE",
+    "SCALE_NONE",
+    "SCALE_ROWWISE",
     "grouped_mm_fp8_wgrad",
     "grouped_mm_ragged_k",
     "grouped_mm_ragged_m",
     "persistent_launch",
 ]
+
+# SCALE_MODE of the ragged-M kernel (see _ragged_m_acc)
+SCALE_NONE = 0  # bf16 / fp16 / fp32 operands
+SCALE_BLOCKWISE = 1  # FP8, promoted to fp32 once per BLOCK_K of K
+SCALE_ROWWISE = 2  # FP8, scaled once per output element
+_SCALE_NONE = tl.constexpr(SCALE_NONE)
+_SCALE_BLOCKWISE = tl.constexpr(SCALE_BLOCKWISE)
+_SCALE_ROWWISE = tl.constexpr(SCALE_ROWWISE)
 
 
 @triton.jit
@@ -66,22 +77,28 @@ def _ragged_m_acc(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     row_end=0, A_BOUNDED: tl.constexpr = False,
     sa_ptr=None, sb_ptr=None, T=0, stride_sa_t=0, stride_sb_e=0, stride_sb_n=0,
-    SCALED: tl.constexpr = False,
+    SCALE_MODE: tl.constexpr = SCALE_NONE,
 ):  # fmt: skip
     """fp32 [BM, BN] tile of a[off_m:] @ b[e][:, off_n:] (+ bias[e]) for the ragged-M GEMM.
     A_BOUNDED: ``a_desc`` is a ragged_rows_desc and rows >= row_end load as zeros.
 
-    SCALED (FP8, blockwise): a and b are e4m3 with one fp32 scale per 1×BLOCK_K block of a's
-    rows (``sa`` [T, ⌈K/BK⌉]) and per BLOCK_K×BLOCK_K block of b[e] as stored [N, K] (``sb``
-    [E, ⌈N/BK⌉, ⌈K/BK⌉]); each block of K is promoted to fp32 on its own,
-    ``acc += dot(a_k, b_k) · (sa_k · sb_k)``, so no long K accumulates in the tensor cores'
-    reduced-precision FP8 sums. Needs BLOCK_N ≤ BLOCK_K (one b scale per tile and K block)."""
+    SCALE_MODE (FP8: a and b e4m3, b[e] stored [N, K]; fp32 scales):
+
+    * SCALE_BLOCKWISE: one scale per 1×BLOCK_K block of a's rows (``sa`` [T, ⌈K/BK⌉]) and per
+      BLOCK_K×BLOCK_K block of b[e] (``sb`` [E, ⌈N/BK⌉, ⌈K/BK⌉]); each block of K is promoted
+      to fp32 on its own, ``acc += dot(a_k, b_k) · (sa_k · sb_k)``, so no long K accumulates
+      in the tensor cores' reduced-precision FP8 sums. Needs BLOCK_N ≤ BLOCK_K (one b scale
+      per tile and K block).
+    * SCALE_ROWWISE: one scale per row of a (``sa`` [T, 1]) and per output channel of b[e]
+      (``sb`` [E, N, 1]): the whole K accumulates in the tensor cores as in the unscaled
+      GEMM, scaled once at the end, ``acc · sa[rows] · sb[e, cols]``."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if A_BOUNDED:
         a_j, a_i = ragged_rows_at(off_m, row_end, BLOCK_M)
-    if SCALED:
+    if SCALE_MODE != _SCALE_NONE:
         rows = off_m + tl.arange(0, BLOCK_M)
         sa_rows = sa_ptr + rows.to(tl.int64) * stride_sa_t
+    if SCALE_MODE == _SCALE_BLOCKWISE:
         sb_tile = sb_ptr + e.to(tl.int64) * stride_sb_e + (off_n // BLOCK_K) * stride_sb_n
     for ki in range(k_tiles):
         off_k = ki * BLOCK_K
@@ -93,11 +110,17 @@ def _ragged_m_acc(
             b = tl.trans(b_desc.load([e, off_n, off_k]).reshape(BLOCK_N, BLOCK_K))
         else:
             b = b_desc.load([e, off_k, off_n]).reshape(BLOCK_K, BLOCK_N)
-        if SCALED:
+        if SCALE_MODE == _SCALE_BLOCKWISE:
             s = tl.load(sa_rows + ki, mask=rows < T, other=0.0) * tl.load(sb_tile + ki)
             acc += tl.dot(a, b) * s[:, None]
         else:
             acc = tl.dot(a, b, acc)
+    if SCALE_MODE == _SCALE_ROWWISE:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        sa = tl.load(sa_rows, mask=rows < T, other=0.0)
+        sb = tl.load(sb_ptr + e.to(tl.int64) * stride_sb_e + cols * stride_sb_n, mask=cols < N,
+                     other=0.0)  # fmt: skip
+        acc = acc * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         cols = off_n + tl.arange(0, BLOCK_N)
         bias = tl.load(bias_ptr + e * stride_bias_e + cols, mask=cols < N, other=0.0)
@@ -118,9 +141,10 @@ def _grouped_mm_ragged_m_kernel(
     GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, C_TMA: tl.constexpr,
     WARP_SPEC: tl.constexpr, EPI_SUBTILE: tl.constexpr, EXPERT_GROUPS: tl.constexpr,
     A_BOUNDED: tl.constexpr = False, ZERO_TAIL: tl.constexpr = True,
-    # FP8 (see _ragged_m_acc): scales sa [T, ⌈K/BK⌉] and sb [E, ⌈N/BK⌉, ⌈K/BK⌉], fp32
+    # FP8 (see _ragged_m_acc): fp32 scales sa [T, ⌈K/BK⌉] and sb [E, ⌈N/BK⌉, ⌈K/BK⌉]
+    # (SCALE_BLOCKWISE) or sa [T, 1] and sb [E, N, 1] (SCALE_ROWWISE)
     sa_ptr=None, sb_ptr=None, stride_sa_t=0, stride_sb_e=0, stride_sb_n=0,
-    SCALED: tl.constexpr = False,
+    SCALE_MODE: tl.constexpr = SCALE_NONE,
 ):  # fmt: skip
     dtype = c_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -160,7 +184,7 @@ def _grouped_mm_ragged_m_kernel(
         acc = _ragged_m_acc(
             a_main, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
             HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, row_end, A_BOUNDED,
-            sa_ptr, sb_ptr, T, stride_sa_t, stride_sb_e, stride_sb_n, SCALED,
+            sa_ptr, sb_ptr, T, stride_sa_t, stride_sb_e, stride_sb_n, SCALE_MODE,
         )  # fmt: skip
         if C_TMA:
             # Bounded at the expert's end: the next expert's rows belong to another program.
@@ -179,7 +203,7 @@ def _grouped_mm_ragged_m_kernel(
         acc = _ragged_m_acc(
             a_desc, b_desc, bias_ptr, e, off_m, off_n, N, k_tiles, stride_bias_e, B_K_MAJOR,
             HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, 0, False,
-            sa_ptr, sb_ptr, T, stride_sa_t, stride_sb_e, stride_sb_n, SCALED,
+            sa_ptr, sb_ptr, T, stride_sa_t, stride_sb_e, stride_sb_n, SCALE_MODE,
         )  # fmt: skip
         store_rows(c_ptr, acc.to(dtype), off_m, off_n, row_end, N, stride_c_t,
                     BLOCK_M, BLOCK_N)  # fmt: skip
@@ -544,18 +568,23 @@ def grouped_mm_ragged_m(
     config: GemmConfig,
     zero_tail: bool = True,  # False: rows past offsets[-1] are left as they are
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # FP8: (sa, sb), see below
+    rowwise: bool = False,  # FP8 scales per row and output channel, else blockwise
 ) -> None:
     """out[rows of e] = a[rows of e] @ b[e] (+ bias[e]); rows past offsets[-1] zeroed.
 
-    FP8 (``scales`` given): a and b are e4m3, b[e] stored [N, K] (unit stride along K); sa
-    [T, ⌈K/BK⌉] and sb [E, ⌈N/BK⌉, ⌈K/BK⌉] fp32 with unit stride along their last dim, and
-    ``config.block_n`` ≤ ``config.block_k`` = the scale block."""
+    FP8 (``scales`` given): a and b are e4m3, b[e] stored [N, K] (unit stride along K), and
+    the fp32 scales have unit stride along their last dim. Blockwise: sa [T, ⌈K/BK⌉] and sb
+    [E, ⌈N/BK⌉, ⌈K/BK⌉], ``config.block_n`` ≤ ``config.block_k`` = the scale block.
+    ``rowwise``: sa [T, 1] and sb [E, N, 1], any config."""
     T, K = a.shape
     E, _, N = b.shape
     grid, meta = persistent_launch(config, E, a)
-    sa, sb = scales if scales is not None else (out, out)
-    fp8 = dict(sa_ptr=sa, sb_ptr=sb, stride_sa_t=sa.stride(0), stride_sb_e=sb.stride(0),
-               stride_sb_n=sb.stride(1), SCALED=True) if scales is not None else {}  # fmt: skip
+    fp8 = {}
+    if scales is not None:
+        sa, sb = scales
+        fp8 = dict(sa_ptr=sa, sb_ptr=sb, stride_sa_t=sa.stride(0), stride_sb_e=sb.stride(0),
+                   stride_sb_n=sb.stride(1),
+                   SCALE_MODE=SCALE_ROWWISE if rowwise else SCALE_BLOCKWISE)  # fmt: skip
     launch(
         _grouped_mm_ragged_m_kernel, grid,
         a, b, out, bias if bias is not None else out, offsets,

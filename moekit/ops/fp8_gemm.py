@@ -1,10 +1,11 @@
-"""The FP8 (e4m3) grouped GEMMs of the blockwise recipe: :func:`grouped_mm_fp8` (ragged M: the
-forward and, through the weight's transposed copy, the dgrad of an expert layer) and
-:func:`grouped_mm_fp8_wgrad` (ragged over the tokens: the weight gradient into fp32).
+"""The FP8 (e4m3) grouped GEMMs: :func:`grouped_mm_fp8` (ragged M: the forward and, through the
+weight's transposed copy, the dgrad of an expert layer) and :func:`grouped_mm_fp8_wgrad` (ragged
+over the tokens: the weight gradient into fp32).
 
-Operands are :class:`~moekit.ops.quantize.Fp8Tensor` from :func:`~moekit.ops.quantize.quantize_fp8`;
-each GEMM promotes its partial sums to fp32 once per 128 of the contracted dimension. CUDA
-tensors run :mod:`moekit.kernels.grouped_gemm`; CPU tensors the blockwise reference
+Operands are :class:`~moekit.ops.quantize.Fp8Tensor` from :func:`~moekit.ops.quantize.quantize_fp8`.
+Blockwise operands are promoted to fp32 once per 128 of the contracted dimension; rowwise ones
+(:func:`grouped_mm_fp8` only) are summed over the whole K and scaled once per output element.
+CUDA tensors run :mod:`moekit.kernels.grouped_gemm`; CPU tensors the references
 (:mod:`moekit.reference.fp8`), or the kernels in Triton's interpreter with ``TRITON_INTERPRET=1``.
 """
 
@@ -22,7 +23,11 @@ from moekit.ops.validation import (
     check_offsets,
     check_offsets_values,
 )
-from moekit.reference.fp8 import grouped_mm_fp8_ref, grouped_mm_fp8_wgrad_ref
+from moekit.reference.fp8 import (
+    grouped_mm_fp8_ref,
+    grouped_mm_fp8_rowwise_ref,
+    grouped_mm_fp8_wgrad_ref,
+)
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
@@ -38,15 +43,17 @@ def _ragged_m_fp8_fake(a, sa, b, sb, offsets, block, out_dtype):
 @kernel_op("grouped_mm_fp8_ragged_m", fake=_ragged_m_fp8_fake)
 def _ragged_m_fp8(
     a: torch.Tensor,  # [T, K] e4m3
-    sa: torch.Tensor,  # [T, ⌈K/B⌉] fp32
+    sa: torch.Tensor,  # [T, ⌈K/B⌉] fp32 (rowwise: [T, 1])
     b: torch.Tensor,  # [E, N, K] e4m3
-    sb: torch.Tensor,  # [E, ⌈N/B⌉, ⌈K/B⌉] fp32
+    sb: torch.Tensor,  # [E, ⌈N/B⌉, ⌈K/B⌉] fp32 (rowwise: [E, N, 1])
     offsets: torch.Tensor,  # [E]
-    block: int,
+    block: int | None,  # None: rowwise
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The product of a checked call: the kernel, or the reference on the CPU."""
     if not use_triton(a):
+        if block is None:
+            return grouped_mm_fp8_rowwise_ref(a, sa, b, sb, offsets, out_dtype)
         return grouped_mm_fp8_ref(a, sa, b, sb, offsets, block, out_dtype)
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     if a.shape[0]:
@@ -57,9 +64,41 @@ def _ragged_m_fp8(
             key = ("grouped_mm_fp8", block, *map(tensor_key, (a, sa, bt, sb, offsets, out)))
         replayed(
             key, (a, sa, bt, sb, offsets, out),
-            lambda: grouped_mm_ragged_m(a, bt, offsets, out, None, cfg, scales=(sa, sb)),
+            lambda: grouped_mm_ragged_m(
+                a, bt, offsets, out, None, cfg, scales=(sa, sb), rowwise=block is None
+            ),
         )  # fmt: skip
     return out
+
+
+def _check_operands(a: object, b: object) -> bool:
+    """Whether checked FP8 operands of :func:`grouped_mm_fp8` are rowwise (else blockwise):
+    ``a`` fixes the recipe and ``b`` must follow it."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, Fp8Tensor):
+            raise TypeError(f"{name} must be an Fp8Tensor (quantize_fp8), got {type(t).__name__}")
+    if a.axis != "row" or a.block not in (128, None) or a.transposed or a.data.dim() != 2:
+        raise ValueError(
+            "a must be a 2-D Fp8Tensor quantized with axis='row' and block=128 (blockwise) or "
+            f"block=None (rowwise), got {a.data.dim()}-D, axis={a.axis!r}, block={a.block}, "
+            f"transposed={a.transposed}"
+        )
+    rowwise = a.block is None
+    if rowwise:  # one scale per output channel: w's rows, or the columns of w's dgrad copy
+        ok = (b.axis, b.block, b.transposed) in (("row", None, False), ("col", None, True))
+        want = (
+            "axis='row', block=None (the forward's weight) or axis='col', block=None, "
+            "transpose=True (the dgrad's), as a is rowwise (block=None)"
+        )
+    else:
+        ok = (b.axis, b.block, b.transposed) == ("both", 128, False)
+        want = "axis='both', block=128, as a is blockwise (block=128)"
+    if not ok or b.data.dim() != 3:
+        raise ValueError(
+            f"b must be a 3-D Fp8Tensor quantized with {want}; got {b.data.dim()}-D, "
+            f"axis={b.axis!r}, block={b.block}, transposed={b.transposed}"
+        )
+    return rowwise
 
 
 def grouped_mm_fp8(
@@ -69,37 +108,39 @@ def grouped_mm_fp8(
     *,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Blockwise FP8 grouped GEMM, ragged M (the forward of an expert layer): ``y[rows of e] =
-    a[rows of e] @ b[e]ᵀ``, promoted to fp32 once per block of K.
+    """FP8 grouped GEMM, ragged M (the forward and dgrad of an expert layer): ``y[rows of e] =
+    a[rows of e] @ b[e]ᵀ``, blockwise (promoted to fp32 once per 128 of K) or rowwise (the
+    whole K summed, then scaled once: ``acc · sa[row] · sb[e, col]``), as ``a`` is quantized.
 
     Args:
-        a: rows [T, K] quantized with ``axis="row"`` (1×128 blocks).
-        b: the experts' weights [E, N, K] (nn.Linear layout) quantized with ``axis="both"``
-            (128×128 blocks), ``b.data`` with unit stride along K.
+        a: rows [T, K] quantized with ``axis="row"``: ``block=128`` (blockwise, 1×128 blocks)
+            or ``block=None`` (rowwise, one scale per row).
+        b: the experts' weights [E, N, K] (nn.Linear layout, ``b.data`` with unit stride
+            along K) quantized for a's recipe: blockwise ``axis="both"`` (128×128 blocks);
+            rowwise ``axis="row", block=None`` (one scale per output channel). For the dgrad
+            ``dx = dy · w`` (contracting over N) b is w's copy with one scale per input
+            channel, stored [E, K, N]: blockwise ``wq.t()`` of the forward's copy, rowwise
+            ``quantize_fp8(w, axis="col", block=None, transpose=True)`` (from w itself).
         offsets: [E] int32/int64 cumulative end offsets on a's device; rows past
             ``offsets[-1]`` give zeros.
         out_dtype: bfloat16, float16 or float32.
 
     Returns:
-        [T, N] in ``out_dtype``. No autograd yet. The dgrad of y = x·wᵀ is this product too,
-        of the output gradient (quantized 1×128) and ``b.t()``; the wgrad is not built.
+        [T, N] in ``out_dtype`` (N = ``b.data.shape[1]``). Not differentiable:
+        :func:`moekit.ops.fp8_linear.grouped_linear_fp8` is the layer with autograd.
     """
-    for name, t, axis, ndim in (("a", a, "row", 2), ("b", b, "both", 3)):
-        if not isinstance(t, Fp8Tensor):
-            raise TypeError(f"{name} must be an Fp8Tensor (quantize_fp8), got {type(t).__name__}")
-        if t.axis != axis or t.block != 128 or t.data.dim() != ndim:
-            raise ValueError(
-                f"{name} must be a {ndim}-D Fp8Tensor quantized with axis={axis!r}, block=128, "
-                f"got {t.data.dim()}-D, axis={t.axis!r}, block={t.block}"
-            )
-    (T, K), (E, N, Kb) = a.shape, b.shape
+    rowwise = _check_operands(a, b)
+    (T, K), (E, N, Kb) = a.data.shape, b.data.shape  # b as the GEMM reads it: [E, N, K]
     if Kb != K:
-        raise ValueError(f"b.shape[2] must equal K = a.shape[1] = {K}, got {Kb}")
+        raise ValueError(f"b.data.shape[2] must equal K = a.shape[1] = {K}, got {Kb}")
     if b.data.stride(2) != 1:
         raise ValueError(f"b.data must have unit stride along K, got strides {b.data.stride()}")
     if out_dtype not in FLOAT_DTYPES:
         raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
-    for name, size, width in (("K (a.shape[1])", K, 1), ("N (b.shape[1])", N, out_dtype.itemsize)):
+    for name, size, width in (
+        ("K (a.shape[1])", K, 1),
+        ("N (b.data.shape[1])", N, out_dtype.itemsize),
+    ):
         if size * width % 16:
             raise ValueError(f"{name} must span a multiple of 16 bytes, got {size}")
     offsets = check_offsets(offsets, E, "a.data", a.data, "b.shape[0]")
@@ -108,7 +149,10 @@ def grouped_mm_fp8(
         raise ValueError(f"b must be on a's device {a.device}, got {b.device}")
     check_fp8_device("a", a.data)
     sa, sb = a.scale.contiguous(), b.scale.contiguous()
-    return _ragged_m_fp8(a.data, sa, b.data, sb, offsets.contiguous(), 128, out_dtype)
+    if rowwise:  # [E, N, 1] or, for the dgrad's copy, [E, 1, N]: one scale per output channel
+        sb = sb.view(E, N, 1)
+    block = None if rowwise else 128
+    return _ragged_m_fp8(a.data, sa, b.data, sb, offsets.contiguous(), block, out_dtype)
 
 
 @kernel_op(

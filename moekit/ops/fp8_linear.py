@@ -1,16 +1,21 @@
-"""``grouped_linear_fp8``: the expert linear layer ``y = x·w[e]ᵀ`` in blockwise FP8, with autograd.
+"""``grouped_linear_fp8``: the expert linear layer ``y = x·w[e]ᵀ`` in FP8, with autograd, under a
+:class:`~moekit.ops.quantize.Fp8Recipe`.
 
-Forward: x quantized 1×128 (or given quantized, e.g. by ``permute(..., fp8=)``), the weight
-128×128 (its FP8 copy made once per weight version and reused by every micro-batch),
-:func:`moekit.ops.fp8_gemm.grouped_mm_fp8`. Backward: dy quantized 1×128 for the dgrad against
-the weight's transposed copy (the same blocks and scales), and dy and x quantized 128×1 along
-the tokens, each from its higher-precision source, for the wgrad
-(:func:`moekit.ops.fp8_gemm.grouped_mm_fp8_wgrad`), which goes into ``w.main_grad`` (fp32) when
+Blockwise (the default): x quantized 1×128, the weight 128×128, and for the dgrad dy 1×128
+against the weight's transposed copy (the same blocks and scales). Rowwise: x and dy one scale
+per row, the weight one scale per output channel for the forward and, for the dgrad (which
+contracts over N), one per input channel, a second copy quantized from the weight itself.
+The weight's FP8 copies are made once per weight version and recipe and reused by every
+micro-batch (:func:`fp8_weight`). x may come quantized already (``permute(..., fp8=)``).
+Under both recipes the weight gradient's operands, dy and x, are quantized 128×1 along the
+tokens, each from its higher-precision source, for
+:func:`moekit.ops.fp8_gemm.grouped_mm_fp8_wgrad`, which goes into ``w.main_grad`` (fp32) when
 it exists. Every expert's rows must start and end at multiples of 128 for the wgrad.
 
-What the wgrad keeps of x: rows permuted from tokens (an Fp8Tensor with ``source_rows``) are
-quantized along the tokens in the backward straight from the tokens, which stay alive anyway;
-any other x is quantized along the tokens in the forward and only those e4m3 bytes are kept.
+What the wgrad keeps of x: a token-wise copy its producer made (``Fp8Tensor.col``); rows
+permuted from tokens (``source_rows``) are quantized along the tokens in the backward straight
+from the tokens, which stay alive anyway; any other x is quantized along the tokens in the
+forward and only those e4m3 bytes are kept.
 """
 
 from __future__ import annotations
@@ -20,44 +25,73 @@ from collections.abc import Callable
 import torch
 
 from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
-from moekit.ops.quantize import Fp8Tensor, quantize_fp8, requantize_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, requantize_fp8
 from moekit.runtime.op import refuse_double_backward
 from moekit.runtime.state import STATE
 
 __all__ = ["fp8_weight", "grouped_linear_fp8", "wgrad_operand"]
 
+BLOCKWISE = Fp8Recipe()
 
-def fp8_weight(w: torch.Tensor) -> tuple[Fp8Tensor, Fp8Tensor]:
-    """(w quantized 128×128, its transpose): made on the first call and again whenever w has
-    changed since (its version counter moves with every in-place update, such as an
-    optimizer step), so the micro-batches of one step share one copy."""
+
+def _quantize_weight(w: torch.Tensor, recipe: Fp8Recipe) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """(forward operand [E, N, K], dgrad operand stored [E, K, N]) of w under ``recipe``."""
+    pow2 = recipe.pow2_scale
+    if recipe.scaling == "rowwise":  # per output channel; per input channel, from w itself
+        fwd = quantize_fp8(w, axis="row", block=None, pow2_scale=pow2)
+        return fwd, quantize_fp8(w, axis="col", block=None, pow2_scale=pow2, transpose=True)
+    wq = quantize_fp8(w, axis="both", pow2_scale=pow2)
+    return wq, wq.t()
+
+
+def fp8_weight(w: torch.Tensor, recipe: Fp8Recipe | None = None) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """(w quantized for the forward, its dgrad operand) under ``recipe`` (None: blockwise):
+    128×128 and its transpose, or rowwise per output channel and per input channel (stored
+    [E, K, N]). Made on the first call and again whenever w has changed since (its version
+    counter moves with every in-place update, such as an optimizer step), so the
+    micro-batches of one step share one copy; each recipe keeps its own."""
+    recipe = recipe or BLOCKWISE
     version = (w._version, w.data_ptr())
-    entry = STATE.fp8_weights.get(w)
+    copies = STATE.fp8_weights.get(w, {})
+    entry = copies.get(recipe)
     if entry is None or entry[0] != version:
-        wq = quantize_fp8(w.detach(), axis="both")
-        entry = STATE.fp8_weights[w] = (version, wq, wq.t())
+        # copies of an older version go, whatever their recipe: none would serve again
+        copies = {r: c for r, c in copies.items() if c[0] == version}
+        entry = copies[recipe] = (version, *_quantize_weight(w.detach(), recipe))
+        STATE.fp8_weights[w] = copies
     return entry[1], entry[2]
 
 
-def wgrad_operand(xq: Fp8Tensor) -> Callable[[], Fp8Tensor]:
-    """x quantized 128×1 along the tokens, stored [K, T], for the backward: later from the
-    tokens for permuted rows, now (keeping only the e4m3 bytes) otherwise."""
+def wgrad_operand(xq: Fp8Tensor, pow2_scale: bool = False) -> Callable[[], Fp8Tensor]:
+    """x quantized 128×1 along the tokens, stored [K, T], for the backward: the producer's copy,
+    later from the tokens for permuted rows, now (keeping only the e4m3 bytes) otherwise."""
     if xq.col is not None:
         return lambda: xq.col
+    again = lambda: requantize_fp8(xq, axis="col", transpose=True, pow2_scale=pow2_scale)
     if xq.source is not None and xq.source_rows is not None:
-        return lambda: requantize_fp8(xq, axis="col", transpose=True)
-    xt = requantize_fp8(xq, axis="col", transpose=True)
+        return again
+    xt = again()
     return lambda: xt
+
+
+def _quantize_rows(t: torch.Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+    """Activations or output gradients [T, K] as the forward / dgrad GEMM's a operand."""
+    block = None if recipe.scaling == "rowwise" else 128
+    return quantize_fp8(t, block=block, pow2_scale=recipe.pow2_scale)
+
+
+def _quantize_tokens(t: torch.Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
+    """[T, K] as a wgrad operand: 128×1 blocks along the tokens, stored [K, T] (both recipes)."""
+    return quantize_fp8(t, axis="col", transpose=True, pow2_scale=recipe.pow2_scale)
 
 
 class _GroupedLinearFp8Fn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_anchor, w, xq, offsets, out_dtype):
-        wq, wqt = fp8_weight(w)
+    def forward(ctx, x_anchor, w, xq, offsets, out_dtype, recipe):
+        wq, ctx.wq_dgrad = fp8_weight(w, recipe)
         y = grouped_mm_fp8(xq, wq, offsets, out_dtype=out_dtype)
-        ctx.wqt = wqt
-        ctx.xt = wgrad_operand(xq) if ctx.needs_input_grad[1] else None
-        ctx.x_dtype = x_anchor.dtype
+        ctx.xt = wgrad_operand(xq, recipe.pow2_scale) if ctx.needs_input_grad[1] else None
+        ctx.x_dtype, ctx.recipe = x_anchor.dtype, recipe
         ctx.w = w  # for its main_grad
         ctx.save_for_backward(offsets)
         return y
@@ -67,18 +101,20 @@ class _GroupedLinearFp8Fn(torch.autograd.Function):
         refuse_double_backward("grouped_linear_fp8")
         (offsets,) = ctx.saved_tensors
         dx = dw = None
+        dy = dy.detach()
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm_fp8(quantize_fp8(dy.detach()), ctx.wqt, offsets, out_dtype=ctx.x_dtype)
+            dyq = _quantize_rows(dy, ctx.recipe)
+            dx = grouped_mm_fp8(dyq, ctx.wq_dgrad, offsets, out_dtype=ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt = quantize_fp8(dy.detach(), axis="col", transpose=True)
+            dyt = _quantize_tokens(dy, ctx.recipe)
             xt = ctx.xt()
             main_grad = getattr(ctx.w, "main_grad", None)
             if main_grad is not None:
                 grouped_mm_fp8_wgrad(dyt, xt, offsets, out=main_grad, accumulate=True)
             else:
                 dw = grouped_mm_fp8_wgrad(dyt, xt, offsets).to(ctx.w.dtype)
-        ctx.wqt = ctx.xt = None
-        return dx, dw, None, None, None
+        ctx.wq_dgrad = ctx.xt = None
+        return dx, dw, None, None, None, None
 
 
 def grouped_linear_fp8(
@@ -87,8 +123,9 @@ def grouped_linear_fp8(
     offsets: torch.Tensor,
     *,
     out_dtype: torch.dtype | None = None,
+    recipe: Fp8Recipe | None = None,
 ) -> torch.Tensor:
-    """Per-expert ``x[rows of e] @ weight[e]ᵀ`` in blockwise FP8, differentiable in x and weight.
+    """Per-expert ``x[rows of e] @ weight[e]ᵀ`` in FP8, differentiable in x and weight.
 
     Args:
         x: [T, K] rows grouped by expert (bf16, fp16 or fp32), or an Fp8Tensor of them
@@ -99,10 +136,14 @@ def grouped_linear_fp8(
         offsets: [E] int32/int64 cumulative row ends on x's device; with a gradient for the
             weight each a multiple of 128 (``permute(align=128)``).
         out_dtype: the output's dtype (default x's, an Fp8Tensor's source's).
+        recipe: how the operands are scaled (:class:`~moekit.ops.quantize.Fp8Recipe`; None:
+            ``Fp8Recipe()``, blockwise); a quantized x must follow it.
 
     Returns:
         [T, N]. Errors against the unquantized product are the recipe's (docs/fp8.md).
     """
+    if recipe is not None and not isinstance(recipe, Fp8Recipe):
+        raise TypeError(f"recipe must be an Fp8Recipe or None, got {type(recipe).__name__}")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
         raise ValueError(
             f"weight must be a 3-D [E, N, K] tensor, got {getattr(weight, 'shape', weight)}"
@@ -114,9 +155,16 @@ def grouped_linear_fp8(
             f"x must be [T, K = weight.shape[2] = {weight.shape[2]}], got "
             f"{tuple(shape) if shape is not None else type(x).__name__}"
         )
+    recipe = recipe or BLOCKWISE
     if xq is None:
-        xq = quantize_fp8(x)
+        xq = _quantize_rows(x, recipe)
+    elif (xq.block is None) != (recipe.scaling == "rowwise") or xq.axis != "row":
+        raise ValueError(
+            f"x must be quantized along its rows as the {recipe.scaling} recipe does, got "
+            f"axis={xq.axis!r}, block={xq.block}"
+        )
     anchor = xq.anchor
     if anchor is None:  # x needs no gradient: a stand-in of its shape for the Function
         anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
-    return _GroupedLinearFp8Fn.apply(anchor, weight, xq, offsets, out_dtype or anchor.dtype)
+    out_dtype = out_dtype or anchor.dtype
+    return _GroupedLinearFp8Fn.apply(anchor, weight, xq, offsets, out_dtype, recipe)

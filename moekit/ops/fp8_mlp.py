@@ -133,17 +133,18 @@ class _Fc1Fp8Fn(torch.autograd.Function):
     its scales): fc1 with the activation and the quantizations of its output fused."""
 
     @staticmethod
-    def forward(ctx, x_anchor, w1, probs, xq, offsets, act, interleave, pow2):
+    def forward(ctx, x_anchor, w1, probs, xq, offsets, act, interleave, recipe):
         ctx.set_materialize_grads(False)
-        w1q, ctx.w1t = fp8_weight(w1)
+        w1q, ctx.w1t = fp8_weight(w1, recipe)
+        pow2 = recipe.pow2_scale
         consts = [act.limit, act.alpha, act.offset]
         h, a, sa, at, sat = _fc1(
             xq.data, xq.scale, w1q.data, w1q.scale, offsets, probs, act.name, consts,
             interleave or 0, pow2, x_anchor.dtype,
         )  # fmt: skip
         ctx.save_for_backward(h, probs, offsets)
-        ctx.xt = wgrad_operand(xq) if ctx.needs_input_grad[1] else None
-        ctx.meta = (act, interleave, x_anchor.dtype, w1)
+        ctx.xt = wgrad_operand(xq, pow2) if ctx.needs_input_grad[1] else None
+        ctx.meta = (act, interleave, x_anchor.dtype, w1, pow2)
         ctx.mark_non_differentiable(a, sa, at, sat)
         return stand_in(x_anchor, a.shape), a, sa, at, sat
 
@@ -151,13 +152,14 @@ class _Fc1Fp8Fn(torch.autograd.Function):
     def backward(ctx, da, *_quantized):
         refuse_double_backward("grouped_mlp_fp8")
         h, probs, offsets = ctx.saved_tensors
-        act, interleave, x_dtype, w1 = ctx.meta
+        act, interleave, x_dtype, w1, pow2 = ctx.meta
         dh, dprobs = _activation_grads(h, probs, da, act, interleave)
         dx = dw1 = None
         if ctx.needs_input_grad[0]:
-            dx = grouped_mm_fp8(quantize_fp8(dh), ctx.w1t, offsets, out_dtype=x_dtype)
+            dhq = quantize_fp8(dh, pow2_scale=pow2)
+            dx = grouped_mm_fp8(dhq, ctx.w1t, offsets, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
-            dht = quantize_fp8(dh, axis="col", transpose=True)
+            dht = quantize_fp8(dh, axis="col", transpose=True, pow2_scale=pow2)
             main_grad = getattr(w1, "main_grad", None)
             if main_grad is not None:
                 grouped_mm_fp8_wgrad(dht, ctx.xt(), offsets, out=main_grad, accumulate=True)
@@ -176,7 +178,7 @@ def _fused_fc1(xq, offsets, w1, probs, act, interleave, recipe) -> Fp8Tensor:
     if xq.scale.stride(-1) != 1 or not xq.data.is_contiguous():
         raise ValueError("x must be a contiguous Fp8Tensor (as quantize_fp8 and permute give)")
     a_anchor, a, sa, at, sat = _Fc1Fp8Fn.apply(
-        anchor, w1, probs, xq, offsets, act, interleave, recipe.pow2_scale
+        anchor, w1, probs, xq, offsets, act, interleave, recipe
     )
     col = Fp8Tensor(at, sat, "col", BLOCK, transposed=True)
     return Fp8Tensor(a, sa, "row", BLOCK, anchor=a_anchor, col=col)
@@ -186,12 +188,12 @@ def _check_args(x, offsets, w1, w2, probs, act, glu_interleave, recipe) -> torch
     """The rows' tensor (x, or an Fp8Tensor's data) of a checked call."""
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"recipe must be a moekit.ops.Fp8Recipe, got {type(recipe).__name__}")
-    if recipe.scaling != "blockwise":
-        raise ValueError(f"grouped_mlp_fp8 runs the blockwise recipe, got {recipe.scaling!r}")
-    if isinstance(x, Fp8Tensor) and (x.axis != "row" or x.block != BLOCK or x.transposed):
+    block = None if recipe.scaling == "rowwise" else BLOCK
+    if isinstance(x, Fp8Tensor) and (x.axis != "row" or x.block != block or x.transposed):
         raise ValueError(
-            "x must be an Fp8Tensor quantized with axis='row', block=128 (quantize_fp8(x), "
-            f"permute(..., fp8=)), got axis={x.axis!r}, block={x.block}"
+            f"x must be an Fp8Tensor quantized with axis='row', block={block} (the "
+            f"{recipe.scaling} recipe's: quantize_fp8(x), permute(..., fp8=)), got "
+            f"axis={x.axis!r}, block={x.block}"
         )
     rows = x.data if isinstance(x, Fp8Tensor) else v.check_tensor("x", x)
     v.check_ndim("x", rows, 2, "[R, H]")
@@ -231,7 +233,8 @@ def grouped_mlp_fp8(
             be multiples of 16; fp32 ``main_grad`` attributes receive the weight gradients.
         probs: optional [R] routing probabilities scaling each row's activation output.
         activation, glu_interleave: as for :func:`moekit.ops.grouped_mlp`.
-        recipe: an :class:`~moekit.ops.Fp8Recipe` (None: blockwise).
+        recipe: an :class:`~moekit.ops.Fp8Recipe` (None: blockwise). Rowwise runs fc1, the
+            activation and fc2 one after another (the fused fc1 quantizes 1×128 blocks).
 
     Returns:
         [R, H] in x's dtype (an Fp8Tensor's source dtype); rows past ``offsets[-1]`` are zero.
@@ -242,24 +245,28 @@ def grouped_mlp_fp8(
     rows = _check_args(x, offsets, w1, w2, probs, act, glu_interleave, recipe)
     dtype = x.orig_dtype if isinstance(x, Fp8Tensor) else x.dtype
     F_ = w2.shape[2]
-    unfused = _unfused_reason(rows.shape[0], F_, glu_interleave)
+    unfused = _unfused_reason(rows.shape[0], F_, glu_interleave, recipe)
     if unfused is None:
         xq = x if isinstance(x, Fp8Tensor) else quantize_fp8(x, pow2_scale=recipe.pow2_scale)
         v.check_offsets_values(offsets, rows.shape[0], rows_what="x.shape[0] (R)")
         a = _fused_fc1(xq, offsets.contiguous(), w1, probs, act, glu_interleave, recipe)
-        return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype)
-    warn_once(
-        ("grouped_mlp_fp8", unfused),
-        f"moekit.grouped_mlp_fp8: fused fc1 unavailable ({unfused}); running fc1, the "
-        "activation and fc2 one after another",
-    )
-    h = grouped_linear_fp8(x, w1, offsets, out_dtype=dtype)
+        return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype, recipe=recipe)
+    if recipe.scaling == "blockwise":
+        warn_once(
+            ("grouped_mlp_fp8", unfused),
+            f"moekit.grouped_mlp_fp8: fused fc1 unavailable ({unfused}); running fc1, the "
+            "activation and fc2 one after another",
+        )
+    h = grouped_linear_fp8(x, w1, offsets, out_dtype=dtype, recipe=recipe)
     a = _ScaledActivationFn.apply(h, probs, act, glu_interleave)
-    return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype)
+    return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype, recipe=recipe)
 
 
-def _unfused_reason(R: int, F_: int, interleave: int | None) -> str | None:
-    """Why the fused fc1 cannot run (None if it can): its tiles are 128×128 blocks."""
+def _unfused_reason(R: int, F_: int, interleave: int | None, recipe: Fp8Recipe) -> str | None:
+    """Why the fused fc1 cannot run (None if it can): its tiles are 128×128 blocks of the
+    blockwise recipe (the rowwise one always runs the composition)."""
+    if recipe.scaling != "blockwise":
+        return "the rowwise recipe"
     if F_ % BLOCK:
         return f"F = {F_} is not a multiple of {BLOCK}"
     if interleave is not None and interleave % BLOCK:

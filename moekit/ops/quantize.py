@@ -1,9 +1,13 @@
-"""FP8 (e4m3) blockwise quantization: :func:`quantize_fp8` and the :class:`Fp8Tensor` it returns.
+"""FP8 (e4m3) quantization: :func:`quantize_fp8`, the :class:`Fp8Tensor` it returns and the
+:class:`Fp8Recipe` that names how the FP8 layers scale their operands.
 
-The recipe of DeepSeek-V3 and TransformerEngine's ``Float8BlockScaling``: one fp32 scale per
-block of 1×128 (activations and output gradients, ``axis="row"``), 128×1 along the token
-dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
-``axis="both"``). The math and its edge cases (zero blocks, NaN, inf): :mod:`moekit.reference.fp8`.
+Blockwise, the recipe of DeepSeek-V3 and TransformerEngine's ``Float8BlockScaling``: one fp32
+scale per block of 1×128 (activations and output gradients, ``axis="row"``), 128×1 along the
+token dimension (the weight gradient's operands, ``axis="col"``) or 128×128 (weights,
+``axis="both"``). Rowwise (``block=None``), the recipe of torch's and torchao's FP8 GEMMs: one
+scale per whole row (activations, output gradients, and a weight's output channels) or per whole
+column (a weight's input channels, for its dgrad). The math and its edge cases (zero blocks,
+NaN, inf): :mod:`moekit.reference.fp8`.
 
 CUDA tensors run :mod:`moekit.kernels.fp8` (compute capability 8.9 or newer); CPU tensors the
 reference, or the kernel in Triton's interpreter with ``TRITON_INTERPRET=1``.
@@ -30,11 +34,12 @@ from moekit.reference.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_sha
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.tuning.fp8 import quantize_config
+from moekit.tuning.fp8 import quantize_config, rowwise_quantize_config
 
 __all__ = [
     "AXES",
     "BLOCKS",
+    "SCALINGS",
     "Fp8Recipe",
     "Fp8Tensor",
     "quantize_fp8",
@@ -44,26 +49,29 @@ __all__ = [
 
 AXES = ("row", "col", "both")
 BLOCKS = (16, 32, 64, 128)  # sides the kernel's tiles take; 128 is the recipe's
+SCALINGS = ("blockwise", "rowwise")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Recipe:
-    """How a layer trains in FP8 (``MoELayer(fp8=)``, ``grouped_linear_fp8(recipe=)``).
+    """How an FP8 layer quantizes its operands (docs/fp8.md).
 
-    scaling: ``"blockwise"`` (1×128 activations and gradients, 128×128 weights, fp32 promotion
-        per 128 of K: DeepSeek-V3, TransformerEngine's ``Float8BlockScaling``) or ``"rowwise"``
-        (one scale per row and per output channel, one promotion at the end).
-    pow2_scale: round every scale up to a power of two.
+    ``scaling``: ``"blockwise"`` (activations and output gradients 1×128, weights 128×128,
+    the GEMMs promoting to fp32 once per 128 of K) or ``"rowwise"`` (one scale per row of the
+    activations and output gradients and per output channel of the weights, the whole K
+    summed in the tensor cores and scaled once). The weight gradient's operands are 128×1
+    blocks along the tokens under both.
+    ``pow2_scale``: every scale rounded up to a power of two.
     """
 
     scaling: Literal["blockwise", "rowwise"] = "blockwise"
     pow2_scale: bool = False
 
     def __post_init__(self) -> None:
-        if self.scaling not in ("blockwise", "rowwise"):
-            raise ValueError(
-                f"Fp8Recipe.scaling must be 'blockwise' or 'rowwise', got {self.scaling!r}"
-            )
+        if not isinstance(self.scaling, str):
+            raise TypeError(f"Fp8Recipe.scaling must be a str, got {type(self.scaling).__name__}")
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"Fp8Recipe.scaling must be one of {SCALINGS}, got {self.scaling!r}")
         if not isinstance(self.pow2_scale, bool):
             raise TypeError(
                 f"Fp8Recipe.pow2_scale must be a bool, got {type(self.pow2_scale).__name__}"
@@ -72,20 +80,19 @@ class Fp8Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class Fp8Tensor:
-    """A tensor quantized blockwise to e4m3: ``x ≈ data · scale``, each scale spread over its
-    block.
+    """A tensor quantized to e4m3: ``x ≈ data · scale``, each scale spread over its block.
 
     ``data``: e4m3 (``torch.float8_e4m3fn``), the shape of the source (its last two dims
     swapped when ``transposed``).
     ``scale``: fp32 dequantization factors (a block's amax / 448, or the next power of two up),
-    of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for data
-    [..., M, K] and ``block`` B.
+    of shape row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K], both [..., ⌈M/B⌉, ⌈K/B⌉] for x
+    [..., M, K] and ``block`` B; rowwise (``block`` None) row [..., 1], col [..., 1, K].
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     axis: str  # "row" (1×B blocks), "col" (B×1 along dim -2) or "both" (B×B)
-    block: int
+    block: int | None  # None: rowwise, the block spans the whole row (or column)
     # data stored transposed in its last two dims ([..., K, M], contiguous): the layout a GEMM
     # that contracts over M wants (the wgrad's operands, M the tokens); scale as for x
     transposed: bool = False
@@ -127,11 +134,14 @@ class Fp8Tensor:
     def t(self) -> Fp8Tensor:
         """The transpose of the last two dims, stored contiguous (e.g. a weight [E, N, K] as
         [E, K, N], the operand of its dgrad). Only for B×B blocks, whose scales transpose
-        with the data: no second quantization, the same values."""
+        with the data: no second quantization, the same values. (A rowwise weight's dgrad
+        operand has its scales along the other dim: ``quantize_fp8(w, axis="col",
+        block=None, transpose=True)``.)"""
         if self.axis != "both" or self.transposed:
             raise ValueError(
                 "only an Fp8Tensor with axis='both' stored untransposed transposes as it is, got "
-                f"axis={self.axis!r}, transposed={self.transposed}"
+                f"axis={self.axis!r}, transposed={self.transposed} (a rowwise weight's dgrad "
+                "operand: quantize_fp8(w, axis='col', block=None, transpose=True))"
             )
         data = self.data.transpose(-2, -1).contiguous()
         scale = self.scale.transpose(-2, -1).contiguous()
@@ -161,7 +171,7 @@ def _quantize_fake(x, rows, axis, block, pow2_scale, transpose):
 
 @kernel_op("quantize_fp8", fake=_quantize_fake)
 def _quantize(
-    x: torch.Tensor, rows: torch.Tensor | None, axis: str, block: int, pow2_scale: bool,
+    x: torch.Tensor, rows: torch.Tensor | None, axis: str, block: int | None, pow2_scale: bool,
     transpose: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(data, scale) of a checked call (of x's rows ``rows`` when given)."""
@@ -179,18 +189,22 @@ def _quantize(
     d3 = data.view(torch.uint8)
     d3 = d3.view(b, K, M).transpose(1, 2) if transpose else d3.view(b, M, K)
     s3 = scale.view(b, M if axis == "row" else scale.shape[-2], scale.shape[-1])
-    cfg = quantize_config(axis, block)
     per_row, per_col = axis == "row", axis == "col"
+    if block is None:  # one scale per line: a row of x3 (row), a column (col)
+        cfg = rowwise_quantize_config(axis, K if per_row else M)
+        run = lambda: kernels.quantize_fp8_rowwise(x3, d3, s3, per_row, pow2_scale, cfg)
+    else:
+        cfg = quantize_config(axis, block)
+        run = lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg, rows)
     key = None
     if x.is_cuda:
         # d3's strides tell a transposed output apart
         key = ("quantize_fp8", axis, block, pow2_scale, rows is not None,
                *map(tensor_key, (x3, d3, s3)))  # fmt: skip
     if d3.numel():
-        replayed(
-            key, (x3, d3, s3, rows),
-            lambda: kernels.quantize_fp8(x3, d3, s3, per_row, per_col, pow2_scale, cfg, rows),
-        )  # fmt: skip
+        replayed(key, (x3, d3, s3, rows), run)
+    elif scale.numel():  # rowwise, over empty rows or columns: the scale of a zero block
+        scale.fill_(1.0)
     return data, scale
 
 
@@ -214,26 +228,32 @@ def quantize_fp8(
     x: torch.Tensor,
     *,
     axis: str = "row",
-    block: int = 128,
+    block: int | None = 128,
     pow2_scale: bool = False,
     transpose: bool = False,
     rows: torch.Tensor | None = None,
 ) -> Fp8Tensor:
-    """Quantize ``x`` blockwise to e4m3 with one fp32 scale per block.
+    """Quantize ``x`` to e4m3 with one fp32 scale per block (blockwise) or per whole row or
+    column (rowwise, ``block=None``).
 
     Args:
         x: [..., K] for ``axis="row"`` (1×``block`` blocks along K), [..., M, K] for ``"col"``
             (``block``×1 blocks along M) and ``"both"`` (``block``×``block``, e.g. a weight
             [E, N, K]); bf16, fp16 or fp32, any strides. Edge blocks may be partial.
         axis: which blocks, as above.
-        block: the block side, one of 16, 32, 64, 128 (the recipe's).
+        block: the block side, one of 16, 32, 64, 128 (the blockwise recipe's); or None for
+            ``"row"`` and ``"col"``: the block spans the whole dimension (rowwise), scale
+            [..., 1] (row: per row, e.g. activations [T, K], or a weight [E, N, K]'s output
+            channels) or [..., 1, K] (col: per column, e.g. a weight's input channels).
         pow2_scale: round each scale up to a power of two (dequantization then only shifts
             exponents; the values lose up to one bit of range use).
         transpose: store ``data`` transposed in its last two dims (``"col"`` and ``"both"``):
-            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands).
-        rows: [M] int32/int64 on x's device, with x [S, K]: quantize the [M, K] tensor whose
-            row m is ``x[rows[m]]`` (a zero row for −1) in the same pass, e.g. permuted rows
-            straight from their tokens. Ids outside [−1, S) are undefined behaviour.
+            [..., K, M] contiguous, in the same pass (the FP8 wgrad's operands, and with
+            ``block=None`` a rowwise weight's dgrad operand: data [E, K, N], scale [E, 1, K]).
+        rows: [M] int32/int64 on x's device, with x [S, K] and a block: quantize the [M, K]
+            tensor whose row m is ``x[rows[m]]`` (a zero row for −1) in the same pass, e.g.
+            permuted rows straight from their tokens. Ids outside [−1, S) are undefined
+            behaviour.
 
     Returns:
         :class:`Fp8Tensor` with ``data`` (e4m3) and ``scale`` (fp32), and an ``anchor`` when
@@ -247,14 +267,22 @@ def quantize_fp8(
     if x.dim() < need:
         shape = "[..., K]" if need == 1 else "[..., M, K]"
         raise ValueError(f"x must be {shape} for axis={axis!r}, got shape {tuple(x.shape)}")
-    if isinstance(block, bool) or block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    if block is None:
+        if axis == "both":
+            raise ValueError(
+                "block=None (one scale per whole row or column) applies to axis='row' or "
+                "'col', got axis='both'"
+            )
+    elif isinstance(block, bool) or block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS} or None, got {block!r}")
     for name, flag in (("pow2_scale", pow2_scale), ("transpose", transpose)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if transpose and axis == "row":
         raise ValueError("transpose applies to axis='col' or 'both', got axis='row'")
     if rows is not None:
+        if block is None:
+            raise ValueError("rows= gathers for blockwise quantization: give a block, not None")
         rows = _check_rows(rows, x)
     check_fp8_device("x", x)
     args = (rows, axis, block, pow2_scale, transpose)
@@ -279,20 +307,25 @@ def _check_rows(rows: object, x: torch.Tensor) -> torch.Tensor:
 
 
 def requantize_fp8(
-    t: Fp8Tensor, *, axis: str, transpose: bool = False, pow2_scale: bool = False
+    t: Fp8Tensor,
+    *,
+    axis: str,
+    transpose: bool = False,
+    block: int = 128,
+    pow2_scale: bool = False,
 ) -> Fp8Tensor:
-    """The values of ``t`` quantized along ``axis`` instead (same block and scaling), e.g. an
-    activation quantized 1×128 for its forward GEMM, needed 128×1 along the tokens by its
-    weight gradient.
+    """The values of ``t`` quantized along ``axis`` in blocks of ``block`` instead, e.g. an
+    activation quantized along its rows for its forward GEMM, needed 128×1 along the tokens by
+    its weight gradient.
 
     The copy the producing kernel made (``t.col``), else from ``t.source`` (and
     ``t.source_rows``) when t kept them: one rounding, as if quantized from the start.
     Otherwise from ``t.dequantize()``: a second rounding, whose error the docs (docs/fp8.md)
     bound. Not differentiable (the result has no anchor)."""
-    if t.col is not None and axis == "col" and transpose:
+    if t.col is not None and axis == "col" and transpose and block == t.col.block:
         return t.col
     src = t.source if t.source is not None else t.dequantize()
     rows = t.source_rows if t.source is not None else None
     with torch.no_grad():
-        return quantize_fp8(src, axis=axis, block=t.block, pow2_scale=pow2_scale,
+        return quantize_fp8(src, axis=axis, block=block, pow2_scale=pow2_scale,
                             transpose=transpose, rows=rows)  # fmt: skip

@@ -1,9 +1,10 @@
-"""Pure-PyTorch twin of :mod:`moekit.kernels.fp8`: blockwise e4m3 quantization, the test oracle
-and the CPU path.
+"""Pure-PyTorch twin of :mod:`moekit.kernels.fp8`: blockwise and rowwise e4m3 quantization and
+the FP8 grouped GEMMs, the test oracles and the CPU path.
 
 A block of ``x`` (1×B along the last dim for ``axis="row"``, B×1 along dim -2 for ``"col"``,
 B×B over the last two dims for ``"both"``; partial blocks at the edges) gets one fp32 scale,
-the dequantization factor::
+the dequantization factor; ``block=None`` (rowwise, ``"row"`` and ``"col"`` only) makes the
+block the whole row or column, so the scale of an empty row or column is 1::
 
     amax  = max |x| over the block, NaN entries left out
     scale = amax / 448            (1 where amax is 0; the next power of two up with pow2)
@@ -16,11 +17,16 @@ its finite entries quantize to 0 and the inf entries to NaN.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 __all__ = [
     "E4M3_MAX",
     "dequantize_fp8_ref",
+    "grouped_mm_fp8_ref",
+    "grouped_mm_fp8_rowwise_ref",
+    "grouped_mm_fp8_wgrad_ref",
     "pow2_up",
     "quantize_fp8_ref",
     "round_e4m3",
@@ -30,16 +36,28 @@ __all__ = [
 E4M3_MAX = 448.0
 
 
-def scale_shape(shape: torch.Size | tuple[int, ...], axis: str, block: int) -> tuple[int, ...]:
+def _block_grid(M: int, K: int, axis: str, block: int | None) -> tuple[tuple[int, int], ...]:
+    """((blocks, side) along M, (blocks, side) along K) of a [M, K] matrix: side B and ⌈·/B⌉
+    blocks along a scaled dimension (with ``block=None`` one block spanning it, even an empty
+    one), side 1 along the other."""
+
+    def along(n: int, scaled: bool) -> tuple[int, int]:
+        if not scaled:
+            return n, 1
+        return (1, max(n, 1)) if block is None else (-(-n // block), block)
+
+    return along(M, axis != "row"), along(K, axis != "col")
+
+
+def scale_shape(
+    shape: torch.Size | tuple[int, ...], axis: str, block: int | None
+) -> tuple[int, ...]:
     """The scale tensor's shape for data of ``shape``: row [..., ⌈K/B⌉], col [..., ⌈M/B⌉, K],
-    both [..., ⌈M/B⌉, ⌈K/B⌉]."""
-    *lead, K = shape
-    nk = -(-K // block)
+    both [..., ⌈M/B⌉, ⌈K/B⌉]; with ``block=None`` row [..., 1] and col [..., 1, K]."""
     if axis == "row":
-        return (*lead, nk)
-    *lead, M = lead
-    nm = -(-M // block)
-    return (*lead, nm, K) if axis == "col" else (*lead, nm, nk)
+        return (*shape[:-1], _block_grid(1, shape[-1], axis, block)[1][0])
+    (nm, _), (nk, _) = _block_grid(shape[-2], shape[-1], axis, block)
+    return (*shape[:-2], nm, nk)
 
 
 def pow2_up(s: torch.Tensor) -> torch.Tensor:
@@ -59,24 +77,21 @@ def round_e4m3(q: torch.Tensor) -> torch.Tensor:
     return torch.round(q / ulp) * ulp  # q / ulp is exact: a power of two
 
 
-def _blocks(x: torch.Tensor, axis: str, block: int) -> tuple[torch.Tensor, tuple[int, int]]:
+def _blocks(x: torch.Tensor, axis: str, block: int | None) -> tuple[torch.Tensor, tuple[int, int]]:
     """x as fp32 [..., nm, bm, nk, bk] zero-padded to whole blocks, and (M, K)."""
     x = x.float()
     if axis == "row":
         x = x.unsqueeze(-2)
     M, K = x.shape[-2:]
-    bm = 1 if axis == "row" else block
-    bk = 1 if axis == "col" else block
-    pm, pk = -M % bm, -K % bk
-    x = torch.nn.functional.pad(x, (0, pk, 0, pm))
-    lead = x.shape[:-2]
-    return x.reshape(*lead, (M + pm) // bm, bm, (K + pk) // bk, bk), (M, K)
+    (nm, bm), (nk, bk) = _block_grid(M, K, axis, block)
+    x = torch.nn.functional.pad(x, (0, nk * bk - K, 0, nm * bm - M))
+    return x.reshape(*x.shape[:-2], nm, bm, nk, bk), (M, K)
 
 
 def quantize_fp8_ref(
     x: torch.Tensor,  # [..., K] (row) or [..., M, K] (col, both); bf16 / fp16 / fp32
     axis: str,
-    block: int,
+    block: int | None,  # None: the whole row (row) or column (col)
     pow2_scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)``: data e4m3 of x's shape, scale fp32 of :func:`scale_shape`."""
@@ -99,10 +114,12 @@ def quantize_fp8_ref(
 
 
 def dequantize_fp8_ref(
-    data: torch.Tensor, scale: torch.Tensor, axis: str, block: int
+    data: torch.Tensor, scale: torch.Tensor, axis: str, block: int | None
 ) -> torch.Tensor:
     """``data · scale`` in fp32, each scale spread over its block."""
     s = scale
+    if block is None:  # [..., 1] or [..., 1, K]: broadcast over the whole row or column
+        return data.float() * s
     if axis in ("row", "both"):
         s = s.repeat_interleave(block, dim=-1)[..., : data.shape[-1]]
     if axis in ("col", "both"):
@@ -136,6 +153,25 @@ def grouped_mm_fp8_ref(
                 acc += part * (sa[start:end, kb, None] * col_scale[None, :])
             out[start:end] = acc
         start = end
+    return out.to(out_dtype)
+
+
+def grouped_mm_fp8_rowwise_ref(
+    a: torch.Tensor,  # [T, K] e4m3
+    sa: torch.Tensor,  # [T, 1] fp32: one scale per row of a
+    b: torch.Tensor,  # [E, N, K] e4m3 (the contracted K last)
+    sb: torch.Tensor,  # [E, N, 1] fp32: one scale per output channel of b[e]
+    offsets: torch.Tensor,  # [E] cumulative end offsets (read on the host)
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The rowwise FP8 ragged-M product ``y[rows of e] = (a[rows of e] @ b[e]ᵀ) · sa · sb[e]ᵀ``:
+    the whole K summed in fp32, then scaled once per output element, ``(acc · sa) · sb``, as
+    the kernel does it; rows past ``offsets[-1]`` are zero. Returns [T, N] in ``out_dtype``."""
+    out = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32, device=a.device)
+    for e, (start, end) in enumerate(itertools.pairwise([0, *offsets.tolist()])):
+        if end > start:
+            acc = a[start:end].float() @ b[e].float().t()
+            out[start:end] = acc * sa[start:end] * sb[e].t()
     return out.to(out_dtype)
 
 

@@ -46,8 +46,8 @@ class State:
     # Triton cache key -> compile job still running (moekit.runtime.replay.compile_ahead)
     compiles: dict[str, Any] = dataclasses.field(default_factory=dict)
     compiles_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    # parameter -> its FP8 copies and the version they were made at (moekit.ops.fp8_linear);
-    # an entry goes with its parameter
+    # parameter -> {Fp8Recipe: (the version they were made at, its FP8 copies)}
+    # (moekit.ops.fp8_linear); an entry goes with its parameter
     fp8_weights: Any = dataclasses.field(default_factory=lambda: WeakIdKeyDictionary())
     # (group name, use) -> symmetric-memory pool (moekit.distributed.symmetric_pool)
     pools: dict[tuple[str, str], Any] = dataclasses.field(default_factory=dict)

@@ -30,6 +30,7 @@ from moekit.tuning import store
 _log = logging.getLogger("moekit.tuning")
 
 __all__ = [
+    "FP8_ROWWISE_RAGGED_M",
     "FP32_CANDIDATES",
     "INTERPRET_CONFIG",
     "RAGGED_K_CANDIDATES",
@@ -122,6 +123,9 @@ FP32_CANDIDATES = (
     GemmConfig(128, 128, 32, num_warps=8, num_stages=3),
     GemmConfig(128, 64, 32, num_warps=4, num_stages=4),
 )
+# Rowwise FP8 (fp8_ragged_m_config): four 32 KiB stages of e4m3 A and B tiles and the bf16
+# epilogue tile fit Hopper's shared memory.
+FP8_ROWWISE_RAGGED_M = GemmConfig(128, 128, 128, num_warps=8, num_stages=4, flatten=True)
 SMALL_MAX_ROWS_PER_EXPERT = 16
 FINE_GRAINED_MAX_ROWS_PER_EXPERT = 1024
 FINE_GRAINED_MAX_K = 2048
@@ -338,8 +342,12 @@ def random_skewed_offsets(T: int, E: int, like: torch.Tensor) -> torch.Tensor:
     return _ends_from_shares(share, T, like)
 
 
-def fp8_ragged_m_config(block: int) -> GemmConfig:
-    """The FP8 (blockwise) ragged-M launch: K tiles of the scale block, so each tile is promoted
-    once; 128×128 output tiles and 8 warps, the best of a first sweep on an H200
-    (experiments/fp8_gemm_probe.py)."""
+def fp8_ragged_m_config(block: int | None) -> GemmConfig:
+    """The FP8 ragged-M launch. Blockwise (``block`` the scale block): K tiles of the block, so
+    each tile is promoted once; 128×128 output tiles and 8 warps, the best of a first sweep on
+    an H200 (experiments/fp8_gemm_probe.py). Rowwise (``block`` None): the K loop of the
+    unscaled GEMM, in the probe's unscaled kernel's shape (128×128×128 tiles, 8 warps, four
+    stages, the flattened persistent loop); not yet tuned on a GPU."""
+    if block is None:
+        return FP8_ROWWISE_RAGGED_M
     return GemmConfig(block_m=128, block_n=block, block_k=block, num_warps=8, num_stages=3)

@@ -1,7 +1,9 @@
 """The FP8 kernels build for Hopper (sm_90) and run on its FP8 tensor cores: compiled on the CPU
 with Triton's own compiler for an sm_90 target, down to a cubin (no GPU needed), and the PTX
-read for e4m3 ``wgmma`` instructions. Catches what Triton's interpreter cannot: an FP8 dot
-whose operand layouts Hopper does not take, or a kernel that does not lower at all.
+read for e4m3 ``wgmma`` instructions (the blockwise and rowwise forward, the wgrad); the
+quantization kernels just compile; every kernel's shared memory fits Hopper's. Catches what
+Triton's interpreter cannot: an FP8 dot whose operand layouts Hopper does not take, or a kernel
+that does not lower at all.
 
 Runs in a subprocess: under ``TRITON_INTERPRET=1`` the kernels are interpreter functions."""
 
@@ -19,6 +21,8 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from moekit.kernels import fp8, grouped_gemm
+    from moekit.tuning.fp8 import rowwise_quantize_config
+    from moekit.tuning.grouped_gemm import FP8_ROWWISE_RAGGED_M as rw
 
     def build(fn, pointers, consts, **options):
         sig = {}
@@ -30,6 +34,8 @@ SCRIPT = textwrap.dedent(
                 sig[p.name] = pointers.get(p.name, "i32")
         src = ASTSource(fn, signature=sig, constexprs=consts)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+        # Hopper's shared memory per block: 227 KiB
+        assert kernel.metadata.shared <= 227 * 1024, (fn.__name__, kernel.metadata.shared)
         return sorted(set(re.findall(r"wgmma\\.mma_async\\S*", kernel.asm["ptx"])))
 
     f8, f32 = "*fp8e4nv", "*fp32"
@@ -37,10 +43,16 @@ SCRIPT = textwrap.dedent(
                 sa_ptr=f32, sb_ptr=f32)
     meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, BLOCK_E=16, GROUP_M=8, NUM_PROGRAMS=132,
                 FLATTEN=False, WARP_SPEC=False, EPI_SUBTILE=False, EXPERT_GROUPS=False,
-                HAS_BIAS=False, B_K_MAJOR=True, SCALED=True)
+                HAS_BIAS=False, B_K_MAJOR=True, SCALE_MODE=grouped_gemm.SCALE_BLOCKWISE)
     for c_tma in (False, True):
         print("forward", c_tma, build(grouped_gemm._grouped_mm_ragged_m_kernel, gemm,
                                       dict(meta, C_TMA=c_tma), num_warps=8, num_stages=3))
+    # rowwise: the launch config moekit takes (fp8_ragged_m_config(None))
+    rowwise = dict(meta, SCALE_MODE=grouped_gemm.SCALE_ROWWISE, C_TMA=rw.c_tma,
+                   BLOCK_M=rw.block_m, BLOCK_N=rw.block_n, BLOCK_K=rw.block_k,
+                   FLATTEN=rw.flatten, EXPERT_GROUPS=rw.expert_groups, GROUP_M=rw.group_m)
+    print("rowwise", build(grouped_gemm._grouped_mm_ragged_m_kernel, gemm, rowwise,
+                           num_warps=rw.num_warps, num_stages=rw.num_stages))
     wgrad = dict(a_ptr=f8, b_ptr=f8, sa_ptr=f32, sb_ptr=f32, c_ptr=f32, offsets_ptr="*i32")
     print("wgrad", build(grouped_gemm._fp8_wgrad_kernel, wgrad,
                          dict(ACCUMULATE=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
@@ -49,6 +61,9 @@ SCRIPT = textwrap.dedent(
     for per_row, per_col in ((True, False), (False, True), (False, False)):
         build(fp8._quantize_fp8_kernel, quant, dict(BLOCK_M=64, BLOCK_K=128, PER_ROW=per_row,
               PER_COL=per_col, POW2=False), num_warps=8)
+    cfg = rowwise_quantize_config("row", 7168)  # one: the configs differ in tile sides only
+    build(fp8._quantize_fp8_rowwise_kernel, quant, dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+          POW2=True), num_warps=cfg.num_warps)
     print("quantize ok")
     """
 )
@@ -65,4 +80,5 @@ def test_fp8_kernels_build_for_hopper_with_fp8_tensor_cores():
     assert [line for line in lines if line.startswith("forward")] == [
         f"forward {c_tma} ['{fp8_mma}']" for c_tma in (False, True)
     ]
+    assert f"rowwise ['{fp8_mma}']" in lines, lines
     assert f"wgrad ['{fp8_mma}']" in lines and "quantize ok" in lines

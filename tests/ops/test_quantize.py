@@ -1,6 +1,7 @@
-"""Blockwise e4m3 quantization: the kernel (Triton's interpreter on CPU, the GPU with ``-m gpu``)
-against the reference bit for bit, the recipe's error bound, the edge cases (partial blocks, a
-single element, zero blocks, NaN and inf, non-contiguous input, empty input) and bad input."""
+"""Blockwise and rowwise e4m3 quantization: the kernels (Triton's interpreter on CPU, the GPU with
+``-m gpu``) against the reference bit for bit, the recipe's error bound, the edge cases (partial
+blocks, a single element, zero blocks, NaN and inf, non-contiguous input, empty input), bad
+input, and the :class:`Fp8Recipe` option's checks."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from moekit.config import interpret_mode
-from moekit.ops.quantize import Fp8Tensor, quantize_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8
 from moekit.reference.fp8 import quantize_fp8_ref, round_e4m3, scale_shape
 from tests._cuda_step import sync_free_capture
 
@@ -25,6 +26,11 @@ CASES = [
     ((2, 65, 33), "col", 32),
     ((3, 200, 130), "both", 128),  # per-expert weights [E, N, K], both sides partial
     ((1, 1), "both", 16),  # a single element
+    # rowwise (block=None): one scale per whole row / column, the kernel looping over it twice
+    ((70, 300), "row", None),  # two steps along K, the last one partial
+    ((3, 5, 40), "row", None),  # leading dims flattened into rows
+    ((2, 300, 33), "col", None),  # per column of a batch of weights: two steps along M
+    ((1, 1), "row", None),  # a single element
 ]
 
 
@@ -82,20 +88,33 @@ def test_dtypes_and_strides(dtype):
     _check(x.t(), "row", 128, False)  # non-contiguous (a transposed view)
     _check(x[::2], "col", 64, False)  # every other row
     _check(x, "both", 32, True)
+    _check(x.t(), "row", None, False)  # rowwise, the transposed view read as it is
+    _check(x[::2], "col", None, True)
 
 
 @interp
-def test_zero_blocks_nan_and_inf():
-    x = torch.randn(4, 256)
+@pytest.mark.parametrize("block", [128, None], ids=["blockwise", "rowwise"])
+def test_zero_blocks_nan_and_inf(block):
+    # rowwise the block is the whole row: one inf entry turns its whole row to zeros and NaN
+    # (a non-finite loss), where blockwise loses only the entry's 128 block
+    x = torch.randn(4, 300)
     x[0] = 0.0  # an all-zero block: scale 1, data 0
     x[1, 3] = float("nan")  # left out of its block's amax, quantized to NaN
     x[2, 130] = float("inf")  # its block's scale is inf: finite entries 0, the inf NaN
-    q = _check(x, "row", 128, False)
+    q = _check(x, "row", block, False)
+
+    def block_of(col):  # (scale index, columns) of column col's block
+        if block is None:
+            return 0, slice(None)
+        return col // 128, slice(col // 128 * 128, (col // 128 + 1) * 128)
+
     assert (q.scale[0] == 1).all() and (q.data[0].float() == 0).all()
-    assert q.data[1, 3].float().isnan() and q.scale[1, 0].isfinite()
-    assert (q.data[1, :128].float().isnan().sum()) == 1
-    assert q.scale[2, 1] == float("inf") and q.data[2, 130].float().isnan()
-    assert (q.data[2, 128:256].float().nan_to_num(0.0) == 0).all()
+    kb, cols = block_of(3)
+    assert q.data[1, 3].float().isnan() and q.scale[1, kb].isfinite()
+    assert q.data[1, cols].float().isnan().sum() == 1
+    kb, cols = block_of(130)
+    assert q.scale[2, kb] == float("inf") and q.data[2, 130].float().isnan()
+    assert (q.data[2, cols].float().nan_to_num(0.0) == 0).all()
 
 
 @interp
@@ -103,13 +122,17 @@ def test_empty_input():
     for axis in ("row", "col", "both"):
         q = _check(torch.randn(0, 64), axis, 32, False)
         assert q.data.numel() == 0
+    # rowwise over empty rows / columns: one scale per row or column still, that of a zero block
+    for shape, axis in (((0, 64), "row"), ((4, 0), "row"), ((0, 64), "col"), ((3, 0, 8), "col")):
+        q = _check(torch.randn(shape), axis, None, False)
+        assert (q.scale == 1).all() and q.block is None
 
 
 def test_cpu_reference_path_matches_the_recipe():
     # Without the interpreter CPU tensors run the reference: the recipe's bound holds there too
     x = torch.randn(3, 96, 160) * 5
-    for axis in ("row", "col", "both"):
-        _error_within_recipe(x, quantize_fp8(x, axis=axis))
+    for axis, block in (("row", 128), ("col", 128), ("both", 128), ("row", None), ("col", None)):
+        _error_within_recipe(x, quantize_fp8(x, axis=axis, block=block))
 
 
 @pytest.mark.parametrize(
@@ -118,6 +141,7 @@ def test_cpu_reference_path_matches_the_recipe():
         ({"axis": "rows"}, ValueError, "axis must be one of"),
         ({"block": 100}, ValueError, "block must be one of"),
         ({"block": True}, ValueError, "block must be one of"),
+        ({"axis": "both", "block": None}, ValueError, "block=None .* applies to axis='row' or"),
         ({"pow2_scale": 1}, TypeError, "pow2_scale must be a bool"),
     ],
 )
@@ -142,7 +166,8 @@ def test_bad_input():
 def test_gpu_kernel_equals_reference(pow2):
     torch.manual_seed(0)
     for shape, axis, block in [*CASES, ((4096, 7168), "row", 128), ((4096, 7168), "col", 128),
-                               ((8, 4096, 2048), "both", 128)]:  # fmt: skip
+                               ((8, 4096, 2048), "both", 128), ((2048, 28672), "row", None),
+                               ((8, 4096, 2048), "col", None)]:  # fmt: skip
         for dtype in (torch.bfloat16, torch.float32):
             x = (torch.randn(*shape, device="cuda") * 10).to(dtype)
             _error_within_recipe(x, _check(x, axis, block, pow2))
@@ -151,10 +176,11 @@ def test_gpu_kernel_equals_reference(pow2):
 
 
 @pytest.mark.gpu
-def test_gpu_sync_free_and_graph_capturable():
+@pytest.mark.parametrize("block", [128, None])
+def test_gpu_sync_free_and_graph_capturable(block):
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
-    want = quantize_fp8(x)
-    graph, got = sync_free_capture(lambda: quantize_fp8(x))
+    want = quantize_fp8(x, block=block)
+    graph, got = sync_free_capture(lambda: quantize_fp8(x, block=block))
     graph.replay()
     torch.cuda.synchronize()
     assert _same(got.data, want.data) and torch.equal(got.scale, want.scale)
@@ -181,11 +207,13 @@ def test_reference_rounds_to_nearest_even():
 
 
 @interp
-@pytest.mark.parametrize("axis", ["col", "both"])
-def test_transposed_output(axis):
-    # the same quantization, stored [.., K, M] in the same pass
+@pytest.mark.parametrize("axis, block", [("col", 128), ("both", 128), ("col", None)])
+def test_transposed_output(axis, block):
+    # the same quantization, stored [.., K, M] in the same pass (col, None: a rowwise weight's
+    # dgrad operand, data [E, K, N] with one scale per k)
     x = torch.randn(2, 200, 96) * 4
-    q, qt = quantize_fp8(x, axis=axis), quantize_fp8(x, axis=axis, transpose=True)
+    q = quantize_fp8(x, axis=axis, block=block)
+    qt = quantize_fp8(x, axis=axis, block=block, transpose=True)
     assert qt.transposed and qt.shape == x.shape and qt.data.shape == (2, 96, 200)
     assert qt.data.is_contiguous() and _same(qt.data.transpose(-2, -1), q.data)
     assert torch.equal(qt.scale, q.scale) and torch.equal(qt.dequantize(), q.dequantize())
@@ -212,3 +240,14 @@ def test_the_anchor_passes_the_gradient_straight_through():
     (q.anchor * g).sum().backward()
     assert torch.equal(x.grad, g)
     assert quantize_fp8(x.detach()).anchor is None
+
+
+def test_fp8_recipe_checks_its_fields():
+    assert Fp8Recipe() == Fp8Recipe("blockwise", False)
+    assert {Fp8Recipe("rowwise"): 1}.get(Fp8Recipe("rowwise", True)) is None  # a cache key
+    with pytest.raises(ValueError, match=r"Fp8Recipe\.scaling must be one of .*got 'row'"):
+        Fp8Recipe("row")
+    with pytest.raises(TypeError, match=r"Fp8Recipe\.scaling must be a str, got int"):
+        Fp8Recipe(1)
+    with pytest.raises(TypeError, match=r"Fp8Recipe\.pow2_scale must be a bool, got int"):
+        Fp8Recipe(pow2_scale=1)
