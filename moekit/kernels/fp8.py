@@ -33,15 +33,22 @@ __all__ = ["e4m3_bytes", "e4m3_scale", "quantize_fp8", "quantize_fp8_rowwise"]
 def _e4m3_byte(q):
     """The e4m3 byte of q (fp32, |q| ≤ 448), rounded to nearest, ties to even: the spacing is
     2^(e - 3) in a binade 2^e with e ≥ -6, and 2^-9 below (subnormals). The magnitude is
-    rounded in fp32 and converted exactly; the sign bit is set by hand (-0 included, which
-    Triton's interpreter drops in the conversion)."""
+    rounded in fp32, then its byte assembled from its fp32 bits with integer arithmetic, the
+    sign bit set by hand (-0 included). No value passes through an FP8 type: ptxas 12.9, which
+    Triton 3.6 uses on Hopper, miscompiles FP8 conversions feeding a transposed store
+    (triton-lang/triton#11111), and Triton's interpreter loses the carry into the next binade
+    in the conversion."""
     bits = q.to(tl.int32, bitcast=True)
     exp = (bits >> 23) & 0xFF  # biased fp32 exponent
     ulp = ((tl.maximum(exp, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
     t = tl.abs(q) / ulp  # exact: a power of two
     r = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: fp32 adds round to an integer
-    byte = r.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    return byte | tl.where(bits < 0, 0x80, 0).to(tl.uint8)
+    r_bits = r.to(tl.int32, bitcast=True)
+    r_exp = (r_bits >> 23) & 0xFF
+    normal = ((r_exp - 120) << 3) | ((r_bits >> 20) & 0x7)  # e4m3's exponent bias is 7
+    subnormal = (r * 512.0).to(tl.int32)  # below 2^-6: a multiple of 2^-9, exactly
+    mag = tl.where(r_exp >= 121, normal, subnormal)
+    return (mag | tl.where(bits < 0, 0x80, 0)).to(tl.uint8)
 
 
 @triton.jit

@@ -42,7 +42,7 @@ class _OracleExperts(torch.autograd.Function):
 
 
 def _oracle(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
-    tokens = x.reshape(-1, H)
+    tokens = x.reshape(-1, x.shape[-1])
     r = layer.router(tokens)
     r = dataclasses.replace(r, probs=layer.router.attach_losses(r.probs, r))
     ex = layer.experts
@@ -51,7 +51,8 @@ def _oracle(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         return _OracleExperts.apply(rows, offsets, ex.fc1_weight, ex.fc2_weight, probs,
                                     ex.activation)  # fmt: skip
 
-    y = routed_experts(tokens, r, experts, num_experts=E, dispatch=layer.dispatch, shape=x.shape)
+    y = routed_experts(tokens, r, experts, num_experts=layer.num_experts, dispatch=layer.dispatch,
+                       shape=x.shape)  # fmt: skip
     if layer.shared_expert is not None:
         y = y + layer.shared_expert(tokens).view(x.shape)
     return y

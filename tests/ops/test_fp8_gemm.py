@@ -51,10 +51,11 @@ def _reference(a, b, offsets, out_dtype):
     """grouped_mm_fp8's reference for a's recipe (b as the GEMM reads it: [E, N, K])."""
     from moekit.reference.fp8 import grouped_mm_fp8_ref, grouped_mm_fp8_rowwise_ref
 
+    ad, sa, bd, sb, offsets = (t.cpu() for t in (a.data, a.scale, b.data, b.scale, offsets))
     if a.block is None:
-        sb = b.scale.reshape(*b.data.shape[:2], 1)  # [E, N, 1], or the dgrad copy's [E, 1, N]
-        return grouped_mm_fp8_rowwise_ref(a.data, a.scale, b.data, sb, offsets.cpu(), out_dtype)
-    return grouped_mm_fp8_ref(a.data, a.scale, b.data, b.scale, offsets.cpu(), 128, out_dtype)
+        sb = sb.reshape(*bd.shape[:2], 1)  # [E, N, 1], or the dgrad copy's [E, 1, N]
+        return grouped_mm_fp8_rowwise_ref(ad, sa, bd, sb, offsets, out_dtype)
+    return grouped_mm_fp8_ref(ad, sa, bd, sb, offsets, 128, out_dtype)
 
 
 def _product(x, w, counts) -> torch.Tensor:
@@ -255,7 +256,8 @@ def _check_wgrad(counts, T, M, N, device="cpu", tol=0.0):
     a = quantize_fp8(dy, axis="col", transpose=True)
     b = quantize_fp8(x, axis="col", transpose=True)
     dw = grouped_mm_fp8_wgrad(a, b, offsets)
-    ref = grouped_mm_fp8_wgrad_ref(a.data, a.scale, b.data, b.scale, offsets.cpu(), 128)
+    ad, sa, bd, sb = (t.cpu() for t in (a.data, a.scale, b.data, b.scale))
+    ref = grouped_mm_fp8_wgrad_ref(ad, sa, bd, sb, offsets.cpu(), 128)
     assert (dw.cpu() - ref).abs().max() <= tol * ref.abs().max()
     bounds = [0, *torch.tensor(counts).cumsum(0).tolist()]
 

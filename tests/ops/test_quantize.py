@@ -251,3 +251,29 @@ def test_fp8_recipe_checks_its_fields():
         Fp8Recipe(1)
     with pytest.raises(TypeError, match=r"Fp8Recipe\.pow2_scale must be a bool, got int"):
         Fp8Recipe(pow2_scale=1)
+
+
+def _every_e4m3_value(device: str) -> None:
+    """Every finite e4m3 value, the midpoints between neighbours (ties to even) and both signs,
+    in rows whose amax is 448 (scale 1): the kernel's bytes, assembled from fp32 bits, equal
+    the reference's."""
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite() & (grid >= 0)].unique()
+    vals = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    vals = torch.cat([vals, -vals])
+    rows = -(-vals.numel() // 127)
+    body = torch.nn.functional.pad(vals, (0, rows * 127 - vals.numel())).view(rows, 127)
+    x = torch.cat([torch.full((rows, 1), 448.0), body], dim=1).to(device)
+    for axis, t in (("row", x), ("col", x.t())):  # the column kernel's layout too
+        q = _check(t, axis, 128, False)
+        assert (q.scale == 1).all()
+
+
+@interp
+def test_kernel_bytes_for_every_e4m3_value_and_midpoint():
+    _every_e4m3_value("cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_bytes_for_every_e4m3_value_and_midpoint():
+    _every_e4m3_value("cuda")
