@@ -51,3 +51,41 @@ for name, m in (("fp8", fp8), ("bf16", layer)):
             sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70
         )
     )
+
+# fc1 with the activation: the GEMM's epilogue quantizing it (one kernel) against the FP8 GEMM
+# writing bf16 h and the activation kernel quantizing from it (two), on this shape's rows
+import triton  # noqa: E402
+
+from moekit.ops import fp8_mlp, permute  # noqa: E402
+from moekit.ops.fp8_gemm import grouped_mm_fp8  # noqa: E402
+from moekit.ops.fp8_linear import fp8_weight  # noqa: E402
+
+with torch.no_grad():
+    r = layer.router(x)
+    d = permute(x, r.indices, r.probs, num_experts=E, align=128, fp8=Fp8Recipe())
+    w1q, _ = fp8_weight(layer.experts.fc1_weight)
+    p = d.probs.to(torch.bfloat16)
+    consts = [7.0, 1.702, 1.0]
+    xq = d.hidden
+
+    def fused():
+        return fp8_mlp._fc1(
+            xq.data,
+            xq.scale,
+            w1q.data,
+            w1q.scale,
+            d.offsets,
+            p,
+            "swiglu",
+            consts,
+            0,
+            False,
+            torch.bfloat16,
+        )
+
+    def two_kernels():
+        h = grouped_mm_fp8(xq, w1q, d.offsets)
+        return fp8_mlp._act(h, p, d.offsets, "swiglu", consts, 0, False)
+
+    for name, fn in (("fused epilogue", fused), ("gemm + act kernel", two_kernels)):
+        print(f"fc1 + act, {name}: {triton.testing.do_bench(fn, warmup=10, rep=50):.3f} ms")

@@ -26,7 +26,13 @@ import triton.language as tl
 from moekit.runtime.replay import launch
 from moekit.tuning.fp8 import QuantizeConfig
 
-__all__ = ["e4m3_bytes", "e4m3_scale", "quantize_fp8", "quantize_fp8_rowwise"]
+__all__ = [
+    "e4m3_bytes",
+    "e4m3_scale",
+    "quantize_fp8",
+    "quantize_fp8_rowwise",
+    "store_fp8_tile",
+]
 
 
 @triton.jit
@@ -69,6 +75,30 @@ def e4m3_bytes(x, scale):
     inf / inf) as e4m3's NaN byte 0x7F."""
     q = tl.math.div_rn(x, scale)
     return tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
+
+
+@triton.jit
+def store_fp8_tile(
+    out, rows, cols, row_ok, col_ok, off_m, col_block, q_ptr, s_ptr, qt_ptr, st_ptr,
+    stride_q, stride_s, stride_qt, stride_st, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """An fp32 tile ``out`` [BM, BN] (rows of one 128-row block of one expert, the columns
+    ``cols`` of one block) quantized twice from the same values: per row over the tile's
+    columns into q [R, C] and s[rows, col_block]; per column over the tile's rows into qt
+    [C, R] (the tokens contiguous) and st[off_m / BM, cols]. Entries outside ``row_ok`` ×
+    ``col_ok`` count as zeros and are not stored."""
+    mask = row_ok[:, None] & col_ok[None, :]
+    out = tl.where(mask, out, 0.0)
+    mag = tl.where(out == out, tl.abs(out), 0.0)
+    scale = e4m3_scale(tl.max(mag, axis=1), POW2)  # [BM]
+    r64 = rows.to(tl.int64)
+    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], e4m3_bytes(out, scale[:, None]),
+             mask=mask)  # fmt: skip
+    tl.store(s_ptr + r64 * stride_s + col_block, scale, mask=row_ok)
+    scale_t = e4m3_scale(tl.max(mag, axis=0), POW2)  # [BN]
+    qt = e4m3_bytes(out, scale_t[None, :])
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qt, mask=mask)
+    tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + cols, scale_t, mask=col_ok)
 
 
 @triton.jit

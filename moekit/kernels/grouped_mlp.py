@@ -29,7 +29,7 @@ import triton.language as tl
 from moekit.activations import Activation
 from moekit.config import interpret_mode
 from moekit.kernels.descriptors import matrix_desc, stacked_desc
-from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale
+from moekit.kernels.fp8 import store_fp8_tile
 from moekit.kernels.grouped_gemm import persistent_launch
 from moekit.kernels.ragged import (
     next_deal_start,
@@ -43,7 +43,16 @@ from moekit.runtime.intmath import cdiv
 from moekit.runtime.replay import launch
 from moekit.tuning.grouped_gemm import GemmConfig
 
-__all__ = ["ACT_CODES", "Fc1Fp8", "grouped_mlp_dact", "grouped_mlp_fc1", "segment_colsum"]
+__all__ = [
+    "ACT_CODES",
+    "Fc1Fp8",
+    "act_bwd",
+    "act_fwd",
+    "gate_cols",
+    "grouped_mlp_dact",
+    "grouped_mlp_fc1",
+    "segment_colsum",
+]
 
 
 class Fc1Fp8(NamedTuple):
@@ -76,15 +85,15 @@ def _silu_and_grad(x, alpha):
 
 
 @triton.jit
-def _act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+def act_fwd(g, u, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
              OFFSET: tl.constexpr):  # fmt: skip
     """act(g, u) in fp32; ungated activations ignore u."""
-    out, _, _ = _act_bwd(g, u, g, ACT, LIMIT, ALPHA, OFFSET)  # the gradients are dead code
+    out, _, _ = act_bwd(g, u, g, ACT, LIMIT, ALPHA, OFFSET)  # the gradients are dead code
     return out
 
 
 @triton.jit
-def _act_bwd(g, u, d, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
+def act_bwd(g, u, d, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
              OFFSET: tl.constexpr):  # fmt: skip
     """(act(g, u), d/dg, d/du) for an upstream gradient d, all fp32."""
     if ACT == 0:
@@ -122,7 +131,7 @@ def _act_bwd(g, u, d, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexp
 
 
 @triton.jit
-def _gate_cols(f, I):
+def gate_cols(f, I):
     # column of gate unit f in a [.., 2F] gated tensor; its up column is I further on
     return (f // I) * 2 * I + f % I
 
@@ -224,7 +233,7 @@ def _grouped_mlp_fc1_kernel(
         row_ok = rows < row_end
         mask = row_ok[:, None] & (f < F)[None, :]
         if GATED:
-            gcol = _gate_cols(f, I)
+            gcol = gate_cols(f, I)
         else:
             gcol = f
         if HAS_BIAS:
@@ -237,41 +246,18 @@ def _grouped_mlp_fc1_kernel(
             tl.store(h_rows + gcol[None, :], acc_g.to(dtype), mask=mask)
             if GATED:
                 tl.store(h_rows + (gcol + I)[None, :], acc_u.to(dtype), mask=mask)
-        out = _act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA, OFFSET)
+        out = act_fwd(acc_g, acc_u, ACT, LIMIT, ALPHA, OFFSET)
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             out = out * p[:, None]
         if FP8:
-            _store_fp8_tile(
-                out, rows, f, row_ok, F, off_m, pid_n, a_ptr, sa_ptr, at_ptr, sat_ptr,
+            store_fp8_tile(
+                out, rows, f, row_ok, f < F, off_m, pid_n, a_ptr, sa_ptr, at_ptr, sat_ptr,
                 stride_a, stride_sa, stride_at, stride_sat, POW2, BLOCK_M,
             )  # fmt: skip
         else:
             a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
             tl.store(a_ptrs, out.to(dtype), mask=mask)
-
-
-@triton.jit
-def _store_fp8_tile(
-    out, rows, f, row_ok, F, off_m, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr,
-    stride_q, stride_s, stride_qt, stride_st, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """The fp32 tile ``out`` [BM, BN] (rows of one expert, columns f) quantized twice from the
-    same values (as :mod:`moekit.kernels.fp8` does it): per row over the tile's columns, into
-    q [R, F] and s[rows, pid_n]; per column over the tile's rows, into qt [F, R] (the tokens
-    contiguous) and st[off_m / BM, f]."""
-    mask = row_ok[:, None] & (f < F)[None, :]
-    out = tl.where(mask, out, 0.0)
-    mag = tl.where(out == out, tl.abs(out), 0.0)
-    scale = e4m3_scale(tl.max(mag, axis=1), POW2)  # [BM]
-    r64 = rows.to(tl.int64)
-    tl.store(q_ptr + r64[:, None] * stride_q + f[None, :], e4m3_bytes(out, scale[:, None]),
-             mask=mask)  # fmt: skip
-    tl.store(s_ptr + r64 * stride_s + pid_n, scale, mask=row_ok)
-    scale_t = e4m3_scale(tl.max(mag, axis=0), POW2)  # [BN]
-    qt = e4m3_bytes(out, scale_t[None, :])
-    tl.store(qt_ptr + f.to(tl.int64)[None, :] * stride_qt + rows[:, None], qt, mask=mask)
-    tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + f, scale_t, mask=f < F)
 
 
 @triton.jit
@@ -298,7 +284,7 @@ def _dact_epilogue(
     fi = off_f % I
     mask = (rows < row_end)[:, None] & (cols < F)[None, :]
     if GATED:
-        gcol = _gate_cols(cols, I)
+        gcol = gate_cols(cols, I)
     else:
         gcol = cols
     h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
@@ -320,7 +306,7 @@ def _dact_epilogue(
         d = acc * p[:, None]
     else:
         d = acc
-    act, dg, du = _act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
+    act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
     if BY_TMA:
         if GATED:
             dh_desc.store([j, i, fb, 0, fi], dg.to(dtype).reshape(1, BLOCK_M, 1, 1, BLOCK_C))

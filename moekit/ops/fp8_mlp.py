@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from moekit.activations import GATED, Activation, apply_activation, resolve_activation
+from moekit.kernels import fp8_mlp as act_kernels
 from moekit.kernels import grouped_mlp as mlp_kernels
+from moekit.kernels.fp8_mlp import Fp8Out
 from moekit.kernels.grouped_mlp import Fc1Fp8
 from moekit.ops import validation as v
 from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
@@ -32,6 +34,7 @@ from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.state import memoized, warn_once
+from moekit.tuning.fp8 import ACT_TILE
 from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
 __all__ = ["grouped_mlp_fp8"]
@@ -128,20 +131,125 @@ def _fc1(
     return outs
 
 
+def _act_fake(h, probs, offsets, act_name, act_consts, interleave, pow2):
+    R, W1 = h.shape
+    F = W1 // 2 if act_name in GATED else W1
+    e4m3, f32 = dict(dtype=torch.float8_e4m3fn), dict(dtype=torch.float32)
+    return (h.new_empty(R, F, **e4m3), h.new_empty(R, F // BLOCK, **f32),
+            h.new_empty(F, R, **e4m3), h.new_empty(R // BLOCK, F, **f32))  # fmt: skip
+
+
+def _rows_past_end(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x with its rows past offsets[-1] zeroed (the reference path: offsets on the host)."""
+    keep = torch.arange(x.shape[0], device=x.device) < offsets[-1]
+    return torch.where(keep[:, None], x, 0.0)
+
+
+def _both_ways(t: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, ...]:
+    """The reference's two quantizations of fp32 t [R, C]: 1×128 and 128×1 (stored [C, R])."""
+    q, s = quantize_fp8_ref(t, "row", BLOCK, pow2)
+    qt, st = quantize_fp8_ref(t, "col", BLOCK, pow2)
+    return q, s, qt.t().contiguous(), st
+
+
+@kernel_op("grouped_mlp_fp8_act", fake=_act_fake)
+def _act(
+    h: torch.Tensor,  # [R, W1] pre-activation
+    probs: torch.Tensor | None,  # [R]
+    offsets: torch.Tensor,  # [E] int32, multiples of 128
+    act_name: str,
+    act_consts: list[float],  # the activation's limit, alpha, offset
+    interleave: int,  # 0: [gate | up] halves
+    pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(a [R, F] e4m3, its 1×128 scales, aT [F, R] e4m3, its 128×1 scales) of a = act(h) ·
+    probs, computed in fp32 and quantized from it; zeros past offsets[-1]."""
+    act = _activation(act_name, *act_consts)
+    if not use_triton(h):
+        a = apply_activation(h.float(), act, interleave or None)
+        a = a * probs.float()[:, None] if probs is not None else a
+        return _both_ways(_rows_past_end(a, offsets), pow2)
+    outs = _act_fake(h, probs, offsets, act_name, act_consts, interleave, pow2)
+    out = Fp8Out(outs[0].view(torch.uint8), outs[1], outs[2].view(torch.uint8), outs[3])
+    key = None
+    if h.is_cuda:
+        key = ("grouped_mlp_fp8_act", act, interleave, pow2,
+               *map(tensor_key, (h, probs, offsets)))  # fmt: skip
+    replayed(
+        key, (h, probs, offsets, *outs),
+        lambda: act_kernels.act_fp8(h, probs, offsets, out, act, interleave or None, pow2,
+                                    ACT_TILE),
+    )  # fmt: skip
+    return outs
+
+
+def _act_bwd_fake(h, da, probs, offsets, act_name, act_consts, interleave, pow2):
+    R, W1 = h.shape
+    e4m3, f32 = dict(dtype=torch.float8_e4m3fn), dict(dtype=torch.float32)
+    dp = probs.new_empty(R) if probs is not None else h.new_empty(0, dtype=torch.float32)
+    return (h.new_empty(R, W1, **e4m3), h.new_empty(R, W1 // BLOCK, **f32),
+            h.new_empty(W1, R, **e4m3), h.new_empty(R // BLOCK, W1, **f32), dp)  # fmt: skip
+
+
+@kernel_op("grouped_mlp_fp8_act_bwd", fake=_act_bwd_fake, none_outputs=True)
+def _act_bwd(
+    h: torch.Tensor,  # [R, W1] saved pre-activation
+    da: torch.Tensor,  # [R, F] gradient of the activation output
+    probs: torch.Tensor | None,  # [R]
+    offsets: torch.Tensor,  # [E] int32, multiples of 128
+    act_name: str,
+    act_consts: list[float],
+    interleave: int,
+    pow2: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dh [R, W1] e4m3, its 1×128 scales, dhT [W1, R] e4m3, its 128×1 scales, dprobs [R]) of
+    a = act(h) · probs, dh computed in fp32 and quantized from it; zeros past offsets[-1].
+    dprobs is None without probs (an empty tensor through the dispatcher)."""
+    act = _activation(act_name, *act_consts)
+    if not use_triton(h):
+        with torch.enable_grad():
+            hf = h.detach().float().requires_grad_()
+            a = apply_activation(hf, act, interleave or None)
+        d = da.float() if probs is None else da.float() * probs.float()[:, None]
+        (dh,) = torch.autograd.grad(a, hf, d)
+        dp = None
+        if probs is not None:
+            dp = _rows_past_end((da.float() * a.detach()).sum(1, keepdim=True), offsets)
+            dp = dp[:, 0].to(probs.dtype)
+        return (*_both_ways(_rows_past_end(dh, offsets), pow2), dp)
+    *outs, dp = _act_bwd_fake(h, da, probs, offsets, act_name, act_consts, interleave, pow2)
+    dp = dp if probs is not None else None
+    out = Fp8Out(outs[0].view(torch.uint8), outs[1], outs[2].view(torch.uint8), outs[3])
+    part = None
+    if probs is not None:
+        part = torch.empty(da.shape[1] // BLOCK, da.shape[0], device=da.device)
+    key = None
+    if h.is_cuda:
+        key = ("grouped_mlp_fp8_act_bwd", act, interleave, pow2,
+               *map(tensor_key, (h, da, probs, offsets)))  # fmt: skip
+
+    def body() -> None:
+        act_kernels.act_bwd_fp8(h, da, probs, offsets, out, part, act, interleave or None, pow2,
+                                ACT_TILE)  # fmt: skip
+        if part is not None:
+            mlp_kernels.segment_colsum(part, None, dp.view(1, -1))
+
+    replayed(key, (h, da, probs, offsets, *outs, dp, part), body)
+    return (*outs, dp)
+
+
 class _Fc1Fp8Fn(torch.autograd.Function):
     """rows (their anchor; the Fp8Tensor rides along) → (a's anchor, a e4m3, its scales, aT,
-    its scales): fc1 with the activation and the quantizations of its output fused."""
+    its scales): fc1 in FP8, then the activation quantized twice in one kernel."""
 
     @staticmethod
     def forward(ctx, x_anchor, w1, probs, xq, offsets, act, interleave, recipe):
         ctx.set_materialize_grads(False)
         w1q, ctx.w1t = fp8_weight(w1, recipe)
         pow2 = recipe.pow2_scale
-        consts = [act.limit, act.alpha, act.offset]
-        h, a, sa, at, sat = _fc1(
-            xq.data, xq.scale, w1q.data, w1q.scale, offsets, probs, act.name, consts,
-            interleave or 0, pow2, x_anchor.dtype,
-        )  # fmt: skip
+        h = grouped_mm_fp8(xq, w1q, offsets, out_dtype=x_anchor.dtype)
+        a, sa, at, sat = _act(h, probs, offsets, act.name, [act.limit, act.alpha, act.offset],
+                              interleave or 0, pow2)  # fmt: skip
         ctx.save_for_backward(h, probs, offsets)
         ctx.xt = wgrad_operand(xq, pow2) if ctx.needs_input_grad[1] else None
         ctx.meta = (act, interleave, x_anchor.dtype, w1, pow2)
@@ -153,20 +261,26 @@ class _Fc1Fp8Fn(torch.autograd.Function):
         refuse_double_backward("grouped_mlp_fp8")
         h, probs, offsets = ctx.saved_tensors
         act, interleave, x_dtype, w1, pow2 = ctx.meta
-        dh, dprobs = _activation_grads(h, probs, da, act, interleave)
+        dhq, dhs, dht, dhts, dprobs = _act_bwd(
+            h, da.contiguous(), probs, offsets, act.name, [act.limit, act.alpha, act.offset],
+            interleave or 0, pow2,
+        )  # fmt: skip
         dx = dw1 = None
         if ctx.needs_input_grad[0]:
-            dhq = quantize_fp8(dh, pow2_scale=pow2)
-            dx = grouped_mm_fp8(dhq, ctx.w1t, offsets, out_dtype=x_dtype)
+            dhq_t = Fp8Tensor(dhq, dhs, "row", BLOCK)
+            dx = grouped_mm_fp8(dhq_t, ctx.w1t, offsets, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
-            dht = quantize_fp8(dh, axis="col", transpose=True, pow2_scale=pow2)
+            dh_tokens = Fp8Tensor(dht, dhts, "col", BLOCK, transposed=True)
             main_grad = getattr(w1, "main_grad", None)
             if main_grad is not None:
-                grouped_mm_fp8_wgrad(dht, ctx.xt(), offsets, out=main_grad, accumulate=True)
+                grouped_mm_fp8_wgrad(dh_tokens, ctx.xt(), offsets, out=main_grad,
+                                     accumulate=True)  # fmt: skip
             else:
-                dw1 = grouped_mm_fp8_wgrad(dht, ctx.xt(), offsets).to(w1.dtype)
+                dw1 = grouped_mm_fp8_wgrad(dh_tokens, ctx.xt(), offsets).to(w1.dtype)
         ctx.w1t = ctx.xt = None
-        dprobs = dprobs if ctx.needs_input_grad[2] else None
+        dprobs = (
+            dprobs if ctx.needs_input_grad[2] and dprobs is not None and dprobs.numel() else None
+        )
         return dx, dw1, dprobs, None, None, None, None, None
 
 

@@ -6,13 +6,14 @@ derivative comes from autograd, in fp32).
 Quantization points (blockwise recipe; "row" = 1×128 along the last dim, "col" = 128×1 along
 the tokens, "both" = 128×128)::
 
-    forward    x → row,  w1 → both,  h = x·w1ᵀ (fp32; saved in bf16),  a = act(h)·p → row and
-               col (from fp32, as the fused fc1's epilogue does; ``fused=False``: from the bf16
-               h, rounded to bf16 first, as the unfused composition does),  w2 → both,
-               y = a·w2ᵀ
-    backward   dy → row (dgrad) and col (wgrad),  a → col,  da = dy·w2 → bf16,
-               dh = act'(h)·(da·p) → bf16 → row (dgrad) and col (wgrad),  x → col,
+    forward    x → row,  w1 → both,  h = x·w1ᵀ → bf16,  a = act(h)·p in fp32 → row and col,
+               w2 → both,  y = a·w2ᵀ
+    backward   dy → row (dgrad) and col (wgrad),  da = dy·w2 → bf16,
+               dh = act'(h)·(da·p) in fp32 → row (dgrad) and col (wgrad),  x → col,
                dx = dh·w1,  dW2[e] = dyᵀ·a,  dW1[e] = dhᵀ·x,  dp = Σ_f da·act(h)
+
+``composed=True``: the composition that runs where F is not a multiple of 128, which rounds a
+and dh to the layer's dtype before quantizing them.
 """
 
 from __future__ import annotations
@@ -54,22 +55,20 @@ def grouped_mlp_fp8_ref(
     dy: torch.Tensor,  # [R, H] the output's gradient
     act: Activation,
     interleave: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,  # the layer's dtype (h, da, dh are rounded to it)
-    fused: bool = True,
+    dtype: torch.dtype = torch.bfloat16,  # the layer's dtype (h, da are rounded to it)
+    composed: bool = False,
 ) -> tuple[torch.Tensor, ...]:
     """(y, dx, dw1, dw2, dprobs or None) of the FP8 MLP, all fp32 (y, dx: [R, H])."""
     R = x.shape[0]
     bounds = [0, *offsets.tolist()]
     x, dy = x.float(), dy.float()
     w1q, w2q = fake_quantize(w1.float(), "both"), fake_quantize(w2.float(), "both")
-    h32 = _rows_times(fake_quantize(x, "row"), w1q.transpose(1, 2), bounds, R)
-    h = h32.to(dtype).float()
+    h = _rows_times(fake_quantize(x, "row"), w1q.transpose(1, 2), bounds, R).to(dtype).float()
     act_h = apply_activation(h, act, interleave)
     p = probs.float()[:, None] if probs is not None else torch.ones(R, 1, device=x.device)
-    if fused:
-        a = apply_activation(h32, act, interleave) * p
-    else:
-        a = (act_h * p).to(dtype).float()
+    a = act_h * p
+    if composed:
+        a = a.to(dtype).float()
     y = _rows_times(fake_quantize(a, "row"), w2q.transpose(1, 2), bounds, R)
 
     da = _rows_times(fake_quantize(dy, "row"), w2q, bounds, R).to(dtype).float()
@@ -77,7 +76,8 @@ def grouped_mlp_fp8_ref(
     with torch.enable_grad():
         hh = h.clone().requires_grad_()
         (dh,) = torch.autograd.grad(apply_activation(hh, act, interleave), hh, da * p)
-    dh = dh.to(dtype).float()
+    if composed:
+        dh = dh.to(dtype).float()
     dx = _rows_times(fake_quantize(dh, "row"), w1q, bounds, R)
     dw1 = _wgrad(fake_quantize(dh, "col"), fake_quantize(x, "col"), bounds)
     dprobs = (da * act_h).sum(dim=1) if probs is not None else None

@@ -15,7 +15,7 @@ import dataclasses
 
 from moekit.runtime.intmath import next_power_of_2
 
-__all__ = ["QuantizeConfig", "quantize_config", "rowwise_quantize_config"]
+__all__ = ["ACT_TILE", "QuantizeConfig", "quantize_config", "rowwise_quantize_config"]
 
 TILE_ELEMS = 16384
 LINE_ELEMS = 32768  # elements of the lines of one rowwise program
@@ -51,3 +51,8 @@ def rowwise_quantize_config(axis: str, length: int) -> QuantizeConfig:
         return QuantizeConfig(COL_LINES, min(TILE_ELEMS // COL_LINES, span), 8)
     lines = min(64, 1 << max(0, (LINE_ELEMS // max(length, 1)).bit_length() - 1))
     return QuantizeConfig(lines, min(TILE_ELEMS // lines, span), 8)
+
+
+# The FP8 MLP's activation kernels: one 128-row token block by one 128-column block per program
+# (both quantizations of the tile come from one program), 8 warps for its 16K elements.
+ACT_TILE = QuantizeConfig(block_m=128, block_k=128, num_warps=8)

@@ -142,7 +142,7 @@ def test_an_f_off_the_block_runs_the_composition_and_says_so():
     with pytest.warns(RuntimeWarning, match="F = 96 is not a multiple of 128"):
         got = _grads(x, offsets, w1, w2, probs, dy)
     want = grouped_mlp_fp8_ref(x, offsets, w1, w2, probs, dy, Activation("swiglu"), dtype=DTYPE,
-                               fused=False)  # fmt: skip
+                               composed=True)  # fmt: skip
     for name, g, w in zip(("y", "dx", "dw1", "dw2", "dprobs"), got, want, strict=True):
         _close(g, w, 1e-2, name)
 
