@@ -39,15 +39,17 @@ __all__ = [
 def _e4m3_byte(q):
     """The e4m3 byte of q (fp32, |q| ≤ 448), rounded to nearest, ties to even: the spacing is
     2^(e - 3) in a binade 2^e with e ≥ -6, and 2^-9 below (subnormals). The magnitude is
-    rounded in fp32, then its byte assembled from its fp32 bits with integer arithmetic, the
-    sign bit set by hand (-0 included). No value passes through an FP8 type: ptxas 12.9, which
-    Triton 3.6 uses on Hopper, miscompiles FP8 conversions feeding a transposed store
-    (triton-lang/triton#11111), and Triton's interpreter loses the carry into the next binade
-    in the conversion."""
+    rounded in fp32 (scaled by the spacing's inverse, a power of two: exact), then its byte
+    assembled from its fp32 bits with integer arithmetic, the sign bit set by hand (-0
+    included). No value passes through an FP8 type: ptxas 12.9, which Triton 3.6 uses on
+    Hopper, miscompiles FP8 conversions feeding a transposed store (triton-lang/triton#11111),
+    and Triton's interpreter loses the carry into the next binade in the conversion."""
     bits = q.to(tl.int32, bitcast=True)
     exp = (bits >> 23) & 0xFF  # biased fp32 exponent
-    ulp = ((tl.maximum(exp, 127 - 6) - 3) << 23).to(tl.float32, bitcast=True)
-    t = tl.abs(q) / ulp  # exact: a power of two
+    ulp_exp = tl.maximum(exp, 127 - 6) - 3  # the spacing's biased exponent
+    ulp = (ulp_exp << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((254 - ulp_exp) << 23).to(tl.float32, bitcast=True)
+    t = tl.abs(q) * inv_ulp  # exact: a power of two
     r = ((t + 12582912.0) - 12582912.0) * ulp  # 1.5·2^23: fp32 adds round to an integer
     r_bits = r.to(tl.int32, bitcast=True)
     r_exp = (r_bits >> 23) & 0xFF
@@ -59,21 +61,28 @@ def _e4m3_byte(q):
 
 @triton.jit
 def e4m3_scale(amax, POW2: tl.constexpr):
-    """The dequantization factor of a block of absolute maximum ``amax`` (fp32): amax / 448
-    (IEEE division), 1 for an all-zero block, rounded up to a power of two with POW2."""
+    """(scale, inverse) of blocks of absolute maximum ``amax`` (fp32): the dequantization
+    factor amax / 448 and the quantization factor 448 / amax, IEEE divisions, (1, 1) for an
+    all-zero block; with POW2 the scale rounded up to a power of two and its exact inverse
+    (:func:`moekit.reference.fp8.scale_and_inverse`)."""
     scale = tl.where(amax > 0, tl.math.div_rn(amax, 448.0), 1.0)
     if POW2:
         sb = scale.to(tl.int32, bitcast=True)
         up = (sb & 0x7F800000) + (1 << 23)
-        scale = tl.where((sb & 0x7FFFFF) != 0, up, sb).to(tl.float32, bitcast=True)
-    return scale
+        sb = tl.where((sb & 0x7FFFFF) != 0, up, sb)
+        scale = sb.to(tl.float32, bitcast=True)
+        inf = (sb & 0x7F800000) == 0x7F800000
+        inv = tl.where(inf, 0.0, ((254 << 23) - sb).to(tl.float32, bitcast=True))
+    else:
+        inv = tl.where(amax > 0, tl.math.div_rn(448.0, amax), 1.0)
+    return scale, inv
 
 
 @triton.jit
-def e4m3_bytes(x, scale):
-    """The e4m3 bytes (uint8) of fp32 ``x / scale``, clamped to ±448; NaN (a NaN entry, or
-    inf / inf) as e4m3's NaN byte 0x7F."""
-    q = tl.math.div_rn(x, scale)
+def e4m3_bytes(x, inv):
+    """The e4m3 bytes (uint8) of fp32 ``x · inv``, clamped to ±448; NaN (a NaN entry, or
+    inf · 0) as e4m3's NaN byte 0x7F."""
+    q = x * inv
     return tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
 
 
@@ -90,13 +99,13 @@ def store_fp8_tile(
     mask = row_ok[:, None] & col_ok[None, :]
     out = tl.where(mask, out, 0.0)
     mag = tl.where(out == out, tl.abs(out), 0.0)
-    scale = e4m3_scale(tl.max(mag, axis=1), POW2)  # [BM]
+    scale, inv = e4m3_scale(tl.max(mag, axis=1), POW2)  # [BM]
     r64 = rows.to(tl.int64)
-    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], e4m3_bytes(out, scale[:, None]),
+    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], e4m3_bytes(out, inv[:, None]),
              mask=mask)  # fmt: skip
     tl.store(s_ptr + r64 * stride_s + col_block, scale, mask=row_ok)
-    scale_t = e4m3_scale(tl.max(mag, axis=0), POW2)  # [BN]
-    qt = e4m3_bytes(out, scale_t[None, :])
+    scale_t, inv_t = e4m3_scale(tl.max(mag, axis=0), POW2)  # [BN]
+    qt = e4m3_bytes(out, inv_t[None, :])
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qt, mask=mask)
     tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + cols, scale_t, mask=col_ok)
 
@@ -114,8 +123,8 @@ def _quantize_fp8_kernel(
     POW2: tl.constexpr,  # scales rounded up to powers of two
     GATHER: tl.constexpr = False,
 ):  # fmt: skip
-    """scale = amax/448 over each block (NaN left out, 1 for an all-zero block); q = e4m3(x /
-    scale). The scale of row m, tile column kb lives at s[b, m, kb] (PER_ROW); of tile row mb,
+    """scale = amax/448 over each block (NaN left out, 1 for an all-zero block); q = e4m3(x ·
+    448/amax). The scale of row m, tile column kb lives at s[b, m, kb] (PER_ROW); of tile row mb,
     column k at s[b, mb, k] (PER_COL); of the tile at s[b, mb, kb]."""
     pid_m, pid_k, b = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -133,8 +142,8 @@ def _quantize_fp8_kernel(
         mag = tl.max(mag, axis=0, keep_dims=True)  # [1, BLOCK_K]
     if not PER_COL:
         mag = tl.max(mag, axis=1, keep_dims=True)  # [BLOCK_M or 1, 1]
-    scale = e4m3_scale(mag, POW2)
-    byte = e4m3_bytes(x, scale)
+    scale, inv = e4m3_scale(mag, POW2)
+    byte = e4m3_bytes(x, inv)
     qp = q_ptr + b * stride_q_b + rows[:, None] * stride_q_m + cols[None, :] * stride_q_k
     tl.store(qp, byte, mask=mask)
     sp = s_ptr + b * stride_s_b
@@ -182,7 +191,7 @@ def _quantize_fp8_rowwise_kernel(
     POW2: tl.constexpr,  # scales rounded up to powers of two
 ):  # fmt: skip
     """scale[b, m] = amax/448 over the whole row x[b, m, :] (NaN left out, 1 for an all-zero
-    or empty row); q = e4m3(x / scale). Two passes over the program's BLOCK_M rows."""
+    or empty row); q = e4m3(x · 448 / amax). Two passes over the program's BLOCK_M rows."""
     pid_m, b = tl.program_id(0), tl.program_id(1).to(tl.int64)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_in = rows[:, None] < M
@@ -196,12 +205,12 @@ def _quantize_fp8_rowwise_kernel(
         x = tl.load(x_rows + cols[None, :] * stride_x_k, mask=mask, other=0.0).to(tl.float32)
         x_mag = tl.where(x == x, tl.abs(x), 0.0)
         mag = tl.maximum(mag, tl.max(x_mag, axis=1, keep_dims=True))
-    scale = e4m3_scale(mag, POW2)  # [BLOCK_M, 1]
+    scale, inv = e4m3_scale(mag, POW2)  # [BLOCK_M, 1]
     for ki in range(k_steps):
         cols = ki * BLOCK_K + tl.arange(0, BLOCK_K).to(tl.int64)
         mask = row_in & (cols[None, :] < K)
         x = tl.load(x_rows + cols[None, :] * stride_x_k, mask=mask, other=0.0).to(tl.float32)
-        tl.store(q_rows + cols[None, :] * stride_q_k, e4m3_bytes(x, scale), mask=mask)
+        tl.store(q_rows + cols[None, :] * stride_q_k, e4m3_bytes(x, inv), mask=mask)
     tl.store(s_ptr + b * stride_s_b + rows[:, None] * stride_s_m, scale, mask=row_in)
 
 

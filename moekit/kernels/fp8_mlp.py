@@ -43,10 +43,14 @@ class Fp8Out(NamedTuple):
 @triton.jit
 def _tile(pid_m, pid_n, R, F, I, end, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
           BLOCK_N: tl.constexpr):  # fmt: skip
-    """(rows, f, row_ok, f_ok, gate columns, up columns) of tile (pid_m, pid_n)."""
+    """(rows, f, row_ok, f_ok, gate columns, up columns) of tile (pid_m, pid_n). The tile's
+    columns lie in one GLU block, so its gate (and up) columns are contiguous from a scalar
+    start: vector loads and stores."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    f = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    g = gate_cols(f, I) if GATED else f
+    f0 = pid_n * BLOCK_N
+    f = f0 + tl.arange(0, BLOCK_N)
+    g0 = gate_cols(f0, I) if GATED else f0
+    g = g0 + tl.arange(0, BLOCK_N)
     return rows, f, rows < end, f < F, g, g + I if GATED else g
 
 
@@ -111,13 +115,13 @@ def _act_bwd_fp8_kernel(
     act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
     all_rows = rows < R
     off_m = pid_m * BLOCK_M
-    g_block = tl.min(gc, axis=0) // BLOCK_N  # the tile's gate columns: one block of W1
+    g_block = (gate_cols(pid_n * BLOCK_N, I) if GATED else pid_n * BLOCK_N) // BLOCK_N
     store_fp8_tile(
         tl.where(mask, dg, 0.0), rows, gc, all_rows, f_ok, off_m, g_block, q_ptr,
         s_ptr, qt_ptr, st_ptr, stride_q, stride_s, stride_qt, stride_st, POW2, BLOCK_M,
     )  # fmt: skip
     if GATED:
-        u_block = tl.min(uc, axis=0) // BLOCK_N
+        u_block = g_block + I // BLOCK_N
         store_fp8_tile(
             tl.where(mask, du, 0.0), rows, uc, all_rows, f_ok, off_m, u_block, q_ptr,
             s_ptr, qt_ptr, st_ptr, stride_q, stride_s, stride_qt, stride_st, POW2, BLOCK_M,

@@ -20,8 +20,6 @@ BLOCK_N F-columns reads rows [f % I, f % I + BLOCK_N) of chunk f // I, half 0 (g
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -29,7 +27,6 @@ import triton.language as tl
 from moekit.activations import Activation
 from moekit.config import interpret_mode
 from moekit.kernels.descriptors import matrix_desc, stacked_desc
-from moekit.kernels.fp8 import store_fp8_tile
 from moekit.kernels.grouped_gemm import persistent_launch
 from moekit.kernels.ragged import (
     next_deal_start,
@@ -45,7 +42,6 @@ from moekit.tuning.grouped_gemm import GemmConfig
 
 __all__ = [
     "ACT_CODES",
-    "Fc1Fp8",
     "act_bwd",
     "act_fwd",
     "gate_cols",
@@ -53,18 +49,6 @@ __all__ = [
     "grouped_mlp_fc1",
     "segment_colsum",
 ]
-
-
-class Fc1Fp8(NamedTuple):
-    """The FP8 tensors of a quantized fc1 launch (shapes at the kernel)."""
-
-    sx: torch.Tensor  # [R, ⌈H/128⌉] fp32: x's 1×128 scales
-    sw: torch.Tensor  # [E, W1/128, ⌈H/128⌉] fp32: w1's 128×128 scales
-    sa: torch.Tensor  # [R, F/128] fp32, out: a's 1×128 scales
-    at: torch.Tensor  # [F, R] uint8, out: a's e4m3 bytes along the tokens
-    sat: torch.Tensor  # [R/128, F] fp32, out: their 128×1 scales
-    pow2: bool
-
 
 # activation codes (constexpr ACT); names as in moekit.activations
 ACT_CODES = {"swiglu": 0, "geglu": 1, "clamped_swiglu": 2, "relu2": 3, "gelu": 4, "silu": 5}
@@ -166,16 +150,8 @@ def _grouped_mlp_fc1_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_E: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
     FLATTEN: tl.constexpr,
-    # FP8 (blockwise): x and w1 e4m3 with scales sx [R, ⌈H/BK⌉] and sw [E, W1/BK, ⌈H/BK⌉]
-    # (BLOCK_N = BLOCK_K = the block; every tile's w1 rows in one block), each K block promoted
-    # to fp32 on its own; a written as e4m3 bytes with sa [R, F/BN] (1×BN blocks) and, along
-    # the tokens, aT [F, R] with saT [R/BM, F] (BM×1 blocks: every expert's rows start and end
-    # at multiples of BLOCK_M)
-    sx_ptr=None, sw_ptr=None, sa_ptr=None, at_ptr=None, sat_ptr=None,
-    stride_sx=0, stride_sw_e=0, stride_sw_r=0, stride_sa=0, stride_at=0, stride_sat=0,
-    FP8: tl.constexpr = False, POW2: tl.constexpr = False,
 ):  # fmt: skip
-    dtype = h_ptr.dtype.element_ty
+    dtype = a_ptr.dtype.element_ty
     pid = tl.program_id(0)
     offs_e, starts, ends, m_tiles, cum_m_tiles, total_m = ragged_m_schedule(
         offsets_ptr, E, R, BLOCK_M, BLOCK_E
@@ -201,32 +177,17 @@ def _grouped_mlp_fc1_kernel(
         within = off_f % I
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if FP8:
-            sx_rows = sx_ptr + (off_m + tl.arange(0, BLOCK_M)).to(tl.int64) * stride_sx
-            sx_mask = (off_m + tl.arange(0, BLOCK_M)) < R
-            g_row = (chunk * 2 * I + within) if GATED else off_f
-            sw_g = sw_ptr + e.to(tl.int64) * stride_sw_e + (g_row // BLOCK_K) * stride_sw_r
-            sw_u = sw_ptr + e.to(tl.int64) * stride_sw_e + ((g_row + I) // BLOCK_K) * stride_sw_r
         for ki in range(k_tiles):
             off_k = ki * BLOCK_K
             xa = x_desc.load([off_m, off_k])
             if GATED:
                 wg = w_desc.load([e, chunk, 0, within, off_k]).reshape(BLOCK_N, BLOCK_K)
                 wu = w_desc.load([e, chunk, 1, within, off_k]).reshape(BLOCK_N, BLOCK_K)
-                if FP8:
-                    s_x = tl.load(sx_rows + ki, mask=sx_mask, other=0.0)[:, None]
-                    acc_g += tl.dot(xa, tl.trans(wg)) * (s_x * tl.load(sw_g + ki))
-                    acc_u += tl.dot(xa, tl.trans(wu)) * (s_x * tl.load(sw_u + ki))
-                else:
-                    acc_g = tl.dot(xa, tl.trans(wg), acc_g)
-                    acc_u = tl.dot(xa, tl.trans(wu), acc_u)
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xa, tl.trans(wu), acc_u)
             else:
                 wg = w_desc.load([e, off_f, off_k]).reshape(BLOCK_N, BLOCK_K)
-                if FP8:
-                    s_x = tl.load(sx_rows + ki, mask=sx_mask, other=0.0)[:, None]
-                    acc_g += tl.dot(xa, tl.trans(wg)) * (s_x * tl.load(sw_g + ki))
-                else:
-                    acc_g = tl.dot(xa, tl.trans(wg), acc_g)
+                acc_g = tl.dot(xa, tl.trans(wg), acc_g)
 
         rows = off_m + tl.arange(0, BLOCK_M)
         f = off_f + tl.arange(0, BLOCK_N)
@@ -250,14 +211,8 @@ def _grouped_mlp_fc1_kernel(
         if HAS_PROBS:
             p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
             out = out * p[:, None]
-        if FP8:
-            store_fp8_tile(
-                out, rows, f, row_ok, f < F, off_m, pid_n, a_ptr, sa_ptr, at_ptr, sat_ptr,
-                stride_a, stride_sa, stride_at, stride_sat, POW2, BLOCK_M,
-            )  # fmt: skip
-        else:
-            a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
-            tl.store(a_ptrs, out.to(dtype), mask=mask)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * stride_a + f[None, :]
+        tl.store(a_ptrs, out.to(dtype), mask=mask)
 
 
 @triton.jit
@@ -485,26 +440,13 @@ def grouped_mlp_fc1(
     act: Activation,
     interleave: int | None,  # None = [gate | up] halves
     config: GemmConfig,
-    fp8: Fc1Fp8 | None = None,  # e4m3 x and w1: their scales, a's quantized outputs
 ) -> None:
-    """a = act(x @ w1[e]^T + b1[e]) * probs per expert segment; h (pre-activation) if asked.
-
-    With ``fp8``: x and w1 are e4m3 with blockwise scales, and ``a_out`` receives a's e4m3
-    bytes (uint8) per 1×128 block, ``fp8.at`` the same values per 128×1 block along the
-    tokens (see the kernel); ``config`` must have 128 as its tile's N and K."""
+    """a = act(x @ w1[e]^T + b1[e]) * probs per expert segment; h (pre-activation) if asked."""
     R, H = x.shape
     E = w1.shape[0]
     F = a_out.shape[1]
     grid, meta = persistent_launch(config, E, x)
     dummy = a_out
-    extra = {}
-    if fp8 is not None:
-        extra = dict(
-            sx_ptr=fp8.sx, sw_ptr=fp8.sw, sa_ptr=fp8.sa, at_ptr=fp8.at, sat_ptr=fp8.sat,
-            stride_sx=fp8.sx.stride(0), stride_sw_e=fp8.sw.stride(0),
-            stride_sw_r=fp8.sw.stride(1), stride_sa=fp8.sa.stride(0),
-            stride_at=fp8.at.stride(0), stride_sat=fp8.sat.stride(0), FP8=True, POW2=fp8.pow2,
-        )  # fmt: skip
     launch(
         _grouped_mlp_fc1_kernel, grid,
         x, w1, h_out if h_out is not None else dummy, a_out,
@@ -515,7 +457,7 @@ def grouped_mlp_fc1(
         b1.stride(0) if b1 is not None else 0,
         GATED=act.gated, ACT=ACT_CODES[act.name], LIMIT=act.limit, ALPHA=act.alpha,
         OFFSET=act.offset, HAS_PROBS=probs is not None, HAS_BIAS=b1 is not None,
-        STORE_H=h_out is not None, **extra, **meta,
+        STORE_H=h_out is not None, **meta,
     )  # fmt: skip
 
 

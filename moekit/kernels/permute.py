@@ -426,8 +426,8 @@ def _scatter_token_fp8(
         x = tl.load(x_ptr + t * stride_x_t + h, mask=h_mask, other=0.0).to(tl.float32)
         xg = tl.reshape(x, (G, QBLOCK))
         amax = tl.max(tl.where(xg == xg, tl.abs(xg), 0.0), axis=1)
-        scale = e4m3_scale(amax, POW2)  # [G]
-        byte = tl.reshape(e4m3_bytes(xg, scale[:, None]), (BLOCK_H,))
+        scale, inv = e4m3_scale(amax, POW2)  # [G]
+        byte = tl.reshape(e4m3_bytes(xg, inv[:, None]), (BLOCK_H,))
         y = tl.broadcast_to(byte[None, :], (K_PAD, BLOCK_H))
         tl.store(out_rows + h[None, :], y, mask=r_mask[:, None] & h_mask[None, :])
         b = h0 // QBLOCK + gx

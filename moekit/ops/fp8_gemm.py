@@ -176,7 +176,7 @@ def _wgrad_fp8(
         if accumulate:
             out.add_(got)
         else:
-            out.copy_(got)
+            out.copy_(got)  # rounded once to out's dtype
         return
     cfg = fp8_ragged_m_config(block)
     key = None
@@ -222,6 +222,7 @@ def grouped_mm_fp8_wgrad(
     *,
     out: torch.Tensor | None = None,
     accumulate: bool = False,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Blockwise FP8 weight gradient, ragged over the tokens: ``c[e] = aᵀ[tokens of e] @
     b[tokens of e]`` in fp32, promoted once per 128 tokens.
@@ -236,9 +237,11 @@ def grouped_mm_fp8_wgrad(
         out: [E, M, N] fp32 to write (or, with ``accumulate``, add) into, e.g. an expert
             weight's ``main_grad`` viewed as [E, M, N]; an expert without tokens leaves it as
             it is when accumulating.
+        out_dtype: the dtype of the result when ``out`` is not given (fp32, or the weight's:
+            the fp32 sums are rounded once, as they are stored).
 
     Returns:
-        [E, M, N] fp32 (``out`` when given). For y = x·wᵀ with w [E, M, N] this is dw.
+        [E, M, N] (``out`` when given). For y = x·wᵀ with w [E, M, N] this is dw.
     """
     _check_wgrad_operand("a", a)
     _check_wgrad_operand("b", b)
@@ -255,7 +258,9 @@ def grouped_mm_fp8_wgrad(
     if out is None:
         if accumulate:
             raise ValueError("accumulate=True needs out= (the tensor to accumulate into)")
-        out = torch.empty(E, M, N, dtype=torch.float32, device=a.device)
+        if out_dtype not in FLOAT_DTYPES:
+            raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+        out = torch.empty(E, M, N, dtype=out_dtype, device=a.device)
     elif out.shape != (E, M, N) or out.dtype != torch.float32 or out.stride(2) != 1:
         raise ValueError(
             f"out must be an fp32 [{E}, {M}, {N}] tensor with unit stride along N, got "

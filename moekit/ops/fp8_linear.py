@@ -112,7 +112,7 @@ class _GroupedLinearFp8Fn(torch.autograd.Function):
             if main_grad is not None:
                 grouped_mm_fp8_wgrad(dyt, xt, offsets, out=main_grad, accumulate=True)
             else:
-                dw = grouped_mm_fp8_wgrad(dyt, xt, offsets).to(ctx.w.dtype)
+                dw = grouped_mm_fp8_wgrad(dyt, xt, offsets, out_dtype=ctx.w.dtype)
         ctx.wq_dgrad = ctx.xt = None
         return dx, dw, None, None, None, None
 

@@ -5,15 +5,16 @@ Quantization points, forward: the rows (1×128, usually done by ``permute(..., f
 weights (128×128, cached per weight version), the activation output (1×128 for fc2, and 128×1
 along the tokens for fc2's weight gradient). Backward: the output gradient of each GEMM (1×128
 for its dgrad, 128×1 along the tokens for its wgrad), and the rows again along the tokens,
-straight from their tokens. The activation's backward runs in fp32 from the saved bf16
-pre-activation h. Everything outside the two GEMMs stays in the caller's precision.
+straight from their tokens. Everything outside the two GEMMs stays in the caller's precision.
 
-The fused path (F a multiple of 128, and so the GLU interleave): fc1 runs with the activation,
-the probs and both quantizations of its output in its epilogue, from the fp32 accumulator
-(:mod:`moekit.kernels.grouped_mlp`), so the activation output never exists in bf16; on the
-CPU its reference computes the same. Other sizes run the composition of
-:func:`~moekit.ops.fp8_linear.grouped_linear_fp8` and the activation in fp32 (the activation
-output then is rounded to x's dtype before it is quantized), with a one-time warning.
+Where F is a multiple of 128 (and so the GLU interleave), the activation and its gradient are
+one kernel each (:mod:`moekit.kernels.fp8_mlp`): the activation output a = act(h) · probs,
+and in backward dh, are computed in fp32 from the saved bf16 pre-activation h and written only
+quantized, each both ways, so neither exists in bf16. (Quantizing a in fc1's GEMM epilogue
+instead measured 1.8x slower on an H200 at the Qwen3-30B-A3B layer: the two extra outputs of
+the 128x128 tiles cost the GEMM more than a separate pass over h.) Other sizes run the
+composition of :func:`~moekit.ops.fp8_linear.grouped_linear_fp8` and the activation in fp32
+(a and dh then rounded to x's dtype before they are quantized), with a one-time warning.
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ from moekit.activations import GATED, Activation, apply_activation, resolve_acti
 from moekit.kernels import fp8_mlp as act_kernels
 from moekit.kernels import grouped_mlp as mlp_kernels
 from moekit.kernels.fp8_mlp import Fp8Out
-from moekit.kernels.grouped_mlp import Fc1Fp8
 from moekit.ops import validation as v
 from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
 from moekit.ops.fp8_linear import fp8_weight, grouped_linear_fp8, wgrad_operand
 from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, stand_in
-from moekit.reference.fp8 import grouped_mm_fp8_ref, quantize_fp8_ref
+from moekit.reference.fp8 import quantize_fp8_ref
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.state import memoized, warn_once
 from moekit.tuning.fp8 import ACT_TILE
-from moekit.tuning.grouped_gemm import fp8_ragged_m_config
 
 __all__ = ["grouped_mlp_fp8"]
 
@@ -74,61 +73,6 @@ class _ScaledActivationFn(torch.autograd.Function):
         h, probs = ctx.saved_tensors
         dh, dprobs = _activation_grads(h, probs, da, *ctx.act)
         return dh, dprobs if ctx.needs_input_grad[1] else None, None, None
-
-
-def _fc1_fake(xd, xs, wd, ws, offsets, probs, act_name, act_consts, interleave, pow2, h_dtype):
-    R, W1 = xd.shape[0], wd.shape[1]
-    F = W1 // 2 if act_name in GATED else W1
-    h = xd.new_empty(R, W1, dtype=h_dtype)
-    a = xd.new_empty(R, F, dtype=torch.float8_e4m3fn)
-    at = xd.new_empty(F, R, dtype=torch.float8_e4m3fn)
-    f32 = dict(dtype=torch.float32)
-    return h, a, xd.new_empty(R, F // BLOCK, **f32), at, xd.new_empty(R // BLOCK, F, **f32)
-
-
-@kernel_op("grouped_mlp_fp8_fc1", fake=_fc1_fake)
-def _fc1(
-    xd: torch.Tensor,  # [R, H] e4m3
-    xs: torch.Tensor,  # [R, ⌈H/128⌉] fp32
-    wd: torch.Tensor,  # [E, W1, H] e4m3
-    ws: torch.Tensor,  # [E, W1/128, ⌈H/128⌉] fp32
-    offsets: torch.Tensor,  # [E] int32, multiples of 128
-    probs: torch.Tensor | None,  # [R]
-    act_name: str,
-    act_consts: list[float],  # the activation's limit, alpha, offset
-    interleave: int,  # 0: [gate | up] halves
-    pow2: bool,
-    h_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(h [R, W1], a [R, F] e4m3, its scales, aT [F, R] e4m3, its scales): fc1 in FP8 with the
-    activation (× probs) and its two quantizations in the epilogue; the reference on the CPU:
-    the blockwise product in fp32, act, quantize_fp8's math."""
-    act = _activation(act_name, *act_consts)
-    inter = interleave or None
-    if not use_triton(xd):
-        hf = grouped_mm_fp8_ref(xd, xs, wd, ws, offsets, BLOCK, torch.float32)
-        a = apply_activation(hf, act, inter)
-        a = a * probs.float()[:, None] if probs is not None else a
-        aq, sa = quantize_fp8_ref(a, "row", BLOCK, pow2)
-        at, sat = quantize_fp8_ref(a, "col", BLOCK, pow2)
-        return hf.to(h_dtype), aq, sa, at.t().contiguous(), sat
-    outs = _fc1_fake(xd, xs, wd, ws, offsets, probs, act_name, act_consts, interleave, pow2,
-                     h_dtype)  # fmt: skip
-    h, a, sa, at, sat = outs
-    fp8 = Fc1Fp8(xs, ws, sa, at.view(torch.uint8), sat, pow2)
-    cfg = fp8_ragged_m_config(BLOCK)
-    roles = (xd, xs, wd, ws, offsets, probs, *outs)
-    key = None
-    if xd.is_cuda:
-        key = ("grouped_mlp_fp8_fc1", act, interleave, pow2, h_dtype,
-               *map(tensor_key, roles))  # fmt: skip
-    replayed(
-        key, roles,
-        lambda: mlp_kernels.grouped_mlp_fc1(
-            xd, wd, offsets, a.view(torch.uint8), h, probs, None, act, inter, cfg, fp8
-        ),
-    )  # fmt: skip
-    return outs
 
 
 def _act_fake(h, probs, offsets, act_name, act_consts, interleave, pow2):
@@ -276,7 +220,7 @@ class _Fc1Fp8Fn(torch.autograd.Function):
                 grouped_mm_fp8_wgrad(dh_tokens, ctx.xt(), offsets, out=main_grad,
                                      accumulate=True)  # fmt: skip
             else:
-                dw1 = grouped_mm_fp8_wgrad(dh_tokens, ctx.xt(), offsets).to(w1.dtype)
+                dw1 = grouped_mm_fp8_wgrad(dh_tokens, ctx.xt(), offsets, out_dtype=w1.dtype)
         ctx.w1t = ctx.xt = None
         dprobs = (
             dprobs if ctx.needs_input_grad[2] and dprobs is not None and dprobs.numel() else None
@@ -284,7 +228,7 @@ class _Fc1Fp8Fn(torch.autograd.Function):
         return dx, dw1, dprobs, None, None, None, None, None
 
 
-def _fused_fc1(xq, offsets, w1, probs, act, interleave, recipe) -> Fp8Tensor:
+def _fc1_act(xq, offsets, w1, probs, act, interleave, recipe) -> Fp8Tensor:
     """a = act(fc1(x)) · probs as an Fp8Tensor (1×128, with its 128×1 copy along the tokens)."""
     anchor = xq.anchor
     if anchor is None:
@@ -339,16 +283,17 @@ def grouped_mlp_fp8(
     Args:
         x: [R, H] rows grouped by expert: bf16/fp16/fp32, or an Fp8Tensor of them quantized
             1×128 (``permute(..., fp8=)``: quantized once, differentiable through its anchor).
-            R a multiple of 128 (``permute(fp8=)`` pads to it) on the fused path.
+            R a multiple of 128 (``permute(fp8=)`` pads to it) for the activation kernels.
         offsets: [E] int32/int64 cumulative row ends, each a multiple of 128
-            (``permute(align=128)``): the weight gradients and the fused fc1 work on 128-row
-            blocks of one expert.
+            (``permute(align=128)``): the weight gradients and the activation kernels work on
+            128-row blocks of one expert.
         w1: [E, 2F, H] (gated; ``[:F]`` gate rows) or [E, F, H]; w2: [E, H, F]. H and F must
             be multiples of 16; fp32 ``main_grad`` attributes receive the weight gradients.
         probs: optional [R] routing probabilities scaling each row's activation output.
         activation, glu_interleave: as for :func:`moekit.ops.grouped_mlp`.
         recipe: an :class:`~moekit.ops.Fp8Recipe` (None: blockwise). Rowwise runs fc1, the
-            activation and fc2 one after another (the fused fc1 quantizes 1×128 blocks).
+            activation and fc2 one after another (the activation kernels quantize 1×128
+            blocks).
 
     Returns:
         [R, H] in x's dtype (an Fp8Tensor's source dtype); rows past ``offsets[-1]`` are zero.
@@ -363,13 +308,13 @@ def grouped_mlp_fp8(
     if unfused is None:
         xq = x if isinstance(x, Fp8Tensor) else quantize_fp8(x, pow2_scale=recipe.pow2_scale)
         v.check_offsets_values(offsets, rows.shape[0], rows_what="x.shape[0] (R)")
-        a = _fused_fc1(xq, offsets.contiguous(), w1, probs, act, glu_interleave, recipe)
+        a = _fc1_act(xq, offsets.contiguous(), w1, probs, act, glu_interleave, recipe)
         return grouped_linear_fp8(a, w2, offsets, out_dtype=dtype, recipe=recipe)
     if recipe.scaling == "blockwise":
         warn_once(
             ("grouped_mlp_fp8", unfused),
-            f"moekit.grouped_mlp_fp8: fused fc1 unavailable ({unfused}); running fc1, the "
-            "activation and fc2 one after another",
+            f"moekit.grouped_mlp_fp8: the FP8 activation kernels cannot run this ({unfused}); "
+            "running fc1, the activation in fp32 and fc2 one after another",
         )
     h = grouped_linear_fp8(x, w1, offsets, out_dtype=dtype, recipe=recipe)
     a = _ScaledActivationFn.apply(h, probs, act, glu_interleave)
@@ -377,8 +322,8 @@ def grouped_mlp_fp8(
 
 
 def _unfused_reason(R: int, F_: int, interleave: int | None, recipe: Fp8Recipe) -> str | None:
-    """Why the fused fc1 cannot run (None if it can): its tiles are 128×128 blocks of the
-    blockwise recipe (the rowwise one always runs the composition)."""
+    """Why the activation kernels cannot run (None if they can): their tiles are 128×128
+    blocks of the blockwise recipe (the rowwise one always runs the composition)."""
     if recipe.scaling != "blockwise":
         return "the rowwise recipe"
     if F_ % BLOCK:

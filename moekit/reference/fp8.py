@@ -8,9 +8,11 @@ block the whole row or column, so the scale of an empty row or column is 1::
 
     amax  = max |x| over the block, NaN entries left out
     scale = amax / 448            (1 where amax is 0; the next power of two up with pow2)
-    data  = e4m3(clamp(x / scale, -448, 448))     round to nearest even; x ≈ data · scale
+    inv   = 448 / amax            (1 where amax is 0; 1 / scale with pow2)
+    data  = e4m3(clamp(x · inv, -448, 448))       round to nearest even; x ≈ data · scale
 
-The kernel computes exactly this (IEEE division, one rounding), so the two agree bit for bit.
+The kernels compute exactly this (one IEEE division per block, one product and one rounding
+per element), so the two agree bit for bit.
 Non-finite input: a NaN entry quantizes to NaN; an inf entry makes its block's scale inf, so
 its finite entries quantize to 0 and the inf entries to NaN.
 """
@@ -30,6 +32,7 @@ __all__ = [
     "pow2_up",
     "quantize_fp8_ref",
     "round_e4m3",
+    "scale_and_inverse",
     "scale_shape",
 ]
 
@@ -88,6 +91,21 @@ def _blocks(x: torch.Tensor, axis: str, block: int | None) -> tuple[torch.Tensor
     return x.reshape(*x.shape[:-2], nm, bm, nk, bk), (M, K)
 
 
+def scale_and_inverse(amax: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, inverse) of blocks of fp32 absolute maximum ``amax``: the dequantization factor
+    amax / 448 and the quantization factor 448 / amax, both IEEE divisions (1 and 1 for an
+    all-zero block); with ``pow2`` the scale rounded up to a power of two and its exact
+    inverse. An inf amax gives scale inf and inverse 0."""
+    # tensor / tensor: an IEEE division on every device (a CUDA tensor divided by a Python
+    # number is multiplied by its rounded reciprocal instead)
+    top = torch.full_like(amax, E4M3_MAX)
+    scale = torch.where(amax > 0, amax / top, 1.0)
+    if pow2:
+        scale = pow2_up(scale)
+        return scale, torch.ones_like(scale) / scale
+    return scale, torch.where(amax > 0, top / amax, 1.0)
+
+
 def quantize_fp8_ref(
     x: torch.Tensor,  # [..., K] (row) or [..., M, K] (col, both); bf16 / fp16 / fp32
     axis: str,
@@ -98,12 +116,8 @@ def quantize_fp8_ref(
     xb, (M, K) = _blocks(x, axis, block)
     mag = torch.where(xb.isnan(), 0.0, xb.abs())
     amax = mag.amax(dim=(-3, -1), keepdim=True)
-    # tensor / tensor: an IEEE division on every device (a CUDA tensor divided by a Python
-    # number is multiplied by its rounded reciprocal instead)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX), 1.0)
-    if pow2_scale:
-        scale = pow2_up(scale)
-    q = round_e4m3((xb / scale).clamp(-E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn)
+    scale, inv = scale_and_inverse(amax, pow2_scale)
+    q = round_e4m3((xb * inv).clamp(-E4M3_MAX, E4M3_MAX)).to(torch.float8_e4m3fn)
     lead = xb.shape[:-4]
     rows, cols = xb.shape[-4] * xb.shape[-3], xb.shape[-2] * xb.shape[-1]
     data = q.reshape(*lead, rows, cols)[..., :M, :K]
