@@ -11,7 +11,7 @@ import torch
 
 import moekit.fusion as mf
 from moekit.ops import RouterConfig
-from tests._cuda_step import sync_free_capture
+from tests._cuda_step import replays_like_eager, sync_free_capture
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -154,14 +154,7 @@ def test_step_is_sync_free_and_capturable(chain):
         y.backward(dy)
         return [t.grad for t in (x, *params)]
 
-    graph, static = sync_free_capture(step)
-    with torch.no_grad():
-        x.copy_(torch.randn_like(x))
-        dy.copy_(torch.randn_like(dy))
-    graph.replay()
-    eager = step()
-    for got, want in zip(static, eager):
-        assert _rel(got, want) < 1e-2
+    replays_like_eager(step, (x, dy))
 
 
 def test_fp32_chain_under_autocast_runs_the_fused_mlp_in_bf16():
