@@ -31,7 +31,8 @@ __all__ = [
     "e4m3_scale",
     "quantize_fp8",
     "quantize_fp8_rowwise",
-    "store_fp8_tile",
+    "row_amax",
+    "store_fp8_cols",
 ]
 
 
@@ -87,27 +88,27 @@ def e4m3_bytes(x, inv):
 
 
 @triton.jit
-def store_fp8_tile(
-    out, rows, cols, row_ok, col_ok, off_m, col_block, q_ptr, s_ptr, qt_ptr, st_ptr,
-    stride_q, stride_s, stride_qt, stride_st, POW2: tl.constexpr, BLOCK_M: tl.constexpr,
+def store_fp8_cols(
+    v, rows, cols, mask, off_m, qt_ptr, st_ptr, stride_qt, stride_st,
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """An fp32 tile ``out`` [BM, BN] (rows of one 128-row block of one expert, the columns
-    ``cols`` of one block) quantized twice from the same values: per row over the tile's
-    columns into q [R, C] and s[rows, col_block]; per column over the tile's rows into qt
-    [C, R] (the tokens contiguous) and st[off_m / BM, cols]. Entries outside ``row_ok`` ×
-    ``col_ok`` count as zeros and are not stored."""
-    mask = row_ok[:, None] & col_ok[None, :]
-    out = tl.where(mask, out, 0.0)
-    mag = tl.where(out == out, tl.abs(out), 0.0)
-    scale, inv = e4m3_scale(tl.max(mag, axis=1), POW2)  # [BM]
-    r64 = rows.to(tl.int64)
-    tl.store(q_ptr + r64[:, None] * stride_q + cols[None, :], e4m3_bytes(out, inv[:, None]),
-             mask=mask)  # fmt: skip
-    tl.store(s_ptr + r64 * stride_s + col_block, scale, mask=row_ok)
-    scale_t, inv_t = e4m3_scale(tl.max(mag, axis=0), POW2)  # [BN]
-    qt = e4m3_bytes(out, inv_t[None, :])
+    """The fp32 tile ``v`` [BM, C] (the rows of one 128-row token block, columns ``cols``)
+    quantized per column over its rows: bytes into qt [cols, rows] (the tokens contiguous),
+    scales into st[off_m / BM, cols]. Entries outside ``mask`` count as zeros and are not
+    stored (their columns' scales are, where any row of the column is inside)."""
+    v = tl.where(mask, v, 0.0)
+    mag = tl.where(v == v, tl.abs(v), 0.0)
+    scale, inv = e4m3_scale(tl.max(mag, axis=0), POW2)  # [C]
+    qt = e4m3_bytes(v, inv[None, :])
     tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qt, mask=mask)
-    tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + cols, scale_t, mask=col_ok)
+    col_in = tl.max(mask.to(tl.int32), axis=0) > 0
+    tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + cols, scale, mask=col_in)
+
+
+@triton.jit
+def row_amax(v, mask):
+    """max |v| over each row of the [BM, C] tile, NaN and entries outside ``mask`` left out."""
+    return tl.max(tl.where(mask & (v == v), tl.abs(v), 0.0), axis=1)
 
 
 @triton.jit

@@ -9,9 +9,9 @@ its result quantized twice, so the activation output and its gradient never exis
 
 One program per [128, 128] tile of [R, F]: 128 rows (a token block of one expert: every
 expert's rows start and end at multiples of 128) by 128 activation columns (a gated h holds
-the tile's gate and up columns, a 128-column block each). Rows past the last expert's end
-give zeros. The math of act and act' is :mod:`moekit.kernels.grouped_mlp`'s, the quantization
-:mod:`moekit.kernels.fp8`'s.
+the tile's gate and up columns, a 128-column block each), walked in column chunks. Rows past
+the last expert's end give zeros. The math of act and act' is
+:mod:`moekit.kernels.grouped_mlp`'s, the quantization :mod:`moekit.kernels.fp8`'s.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import triton
 import triton.language as tl
 
 from moekit.activations import Activation
-from moekit.kernels.fp8 import store_fp8_tile
+from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale, row_amax, store_fp8_cols
 from moekit.kernels.grouped_mlp import ACT_CODES, act_bwd, act_fwd, gate_cols
 from moekit.runtime.replay import launch
-from moekit.tuning.fp8 import QuantizeConfig
+from moekit.tuning.fp8 import ActTileConfig
 
 __all__ = ["Fp8Out", "act_bwd_fp8", "act_fp8"]
 
@@ -41,17 +41,32 @@ class Fp8Out(NamedTuple):
 
 
 @triton.jit
-def _tile(pid_m, pid_n, R, F, I, end, GATED: tl.constexpr, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr):  # fmt: skip
-    """(rows, f, row_ok, f_ok, gate columns, up columns) of tile (pid_m, pid_n). The tile's
-    columns lie in one GLU block, so its gate (and up) columns are contiguous from a scalar
-    start: vector loads and stores."""
+def _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M: tl.constexpr):
+    """(rows, rows before the last expert's end, rows inside the tensor) of a 128-row block."""
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    f0 = pid_n * BLOCK_N
-    f = f0 + tl.arange(0, BLOCK_N)
-    g0 = gate_cols(f0, I) if GATED else f0
-    g = g0 + tl.arange(0, BLOCK_N)
-    return rows, f, rows < end, f < F, g, g + I if GATED else g
+    end = tl.load(offsets_ptr + E - 1)
+    return rows, rows < end, rows < R
+
+
+@triton.jit
+def _act_chunk(
+    h_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
+    LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """(act(h) · p [BM, CHUNK], its columns f, their mask) of the activation columns from f0,
+    whose gate columns start at g0 (contiguous: a chunk lies in one GLU block)."""
+    f = f0 + tl.arange(0, CHUNK)
+    g = g0 + tl.arange(0, CHUNK)
+    mask = row_ok[:, None] & (f < F)[None, :]
+    hg = tl.load(h_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    hu = hg
+    if GATED:
+        hu = tl.load(h_rows + (g + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+    out = act_fwd(hg, hu, ACT, LIMIT, ALPHA, OFFSET)
+    if HAS_PROBS:
+        out = out * p[:, None]
+    return tl.where(mask, out, 0.0), f, mask
 
 
 @triton.jit
@@ -62,24 +77,56 @@ def _act_fp8_kernel(
     stride_h, stride_q, stride_s, stride_qt, stride_st,  # strides
     GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    """a = act(h) · probs for the rows before offsets[E-1] (zeros after), quantized twice."""
+    """a = act(h) · probs for the rows before offsets[E-1] (zeros after), quantized twice.
+    The tile is walked in column chunks twice (its values recomputed, not held, which would
+    spill registers): first the per-column quantization and the rows' amax, then the per-row
+    quantization. The walks are runtime loops, not unrolled: unrolled, the compiler merges
+    the second walk's loads with the first's and holds every chunk's values again."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    end = tl.load(offsets_ptr + E - 1)
-    rows, f, row_ok, f_ok, gc, uc = _tile(pid_m, pid_n, R, F, I, end, GATED, BLOCK_M, BLOCK_N)
-    mask = row_ok[:, None] & f_ok[None, :]
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    hg = tl.load(h_rows + gc[None, :], mask=mask, other=0.0).to(tl.float32)
-    hu = tl.load(h_rows + uc[None, :], mask=mask, other=0.0).to(tl.float32) if GATED else hg
-    out = act_fwd(hg, hu, ACT, LIMIT, ALPHA, OFFSET)
-    if HAS_PROBS:
-        out = out * tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    out = tl.where(mask, out, 0.0)
-    store_fp8_tile(
-        out, rows, f, rows < R, f_ok, pid_m * BLOCK_M, pid_n, q_ptr, s_ptr, qt_ptr, st_ptr,
-        stride_q, stride_s, stride_qt, stride_st, POW2, BLOCK_M,
-    )  # fmt: skip
+    rows, row_ok, in_r = _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M)
+    r64 = rows.to(tl.int64)
+    h_rows = h_ptr + r64[:, None] * stride_h
+    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+    f0, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
+    g0 = gate_cols(f0, I) if GATED else f0
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c in range(BLOCK_N // CHUNK):
+        out, f, mask = _act_chunk(h_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok,
+                                  GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK)  # fmt: skip
+        stored = in_r[:, None] & (f < F)[None, :]
+        store_fp8_cols(out, rows, f, stored, off_m, qt_ptr, st_ptr, stride_qt, stride_st, POW2,
+                       BLOCK_M)  # fmt: skip
+        amax = tl.maximum(amax, row_amax(out, mask))
+    scale, inv = e4m3_scale(amax, POW2)
+    tl.store(s_ptr + r64 * stride_s + pid_n, scale, mask=in_r)
+    for c in range(BLOCK_N // CHUNK):
+        out, f, mask = _act_chunk(h_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok,
+                                  GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK)  # fmt: skip
+        tl.store(q_ptr + r64[:, None] * stride_q + f[None, :], e4m3_bytes(out, inv[:, None]),
+                 mask=in_r[:, None] & (f < F)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _act_bwd_chunk(
+    h_rows, da_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
+    LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """(da · act(h), dg, du, f, gate columns, mask) of a chunk of activation columns, zeros
+    outside the mask (act(0) = 0 and its gradients too, for every activation)."""
+    f = f0 + tl.arange(0, CHUNK)
+    g = g0 + tl.arange(0, CHUNK)
+    mask = row_ok[:, None] & (f < F)[None, :]
+    hg = tl.load(h_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    hu = hg
+    if GATED:
+        hu = tl.load(h_rows + (g + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+    da = tl.load(da_rows + f[None, :], mask=mask, other=0.0).to(tl.float32)
+    d = da * p[:, None] if HAS_PROBS else da
+    act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
+    return da * act, dg, du, f, g, mask
 
 
 @triton.jit
@@ -91,44 +138,53 @@ def _act_bwd_fp8_kernel(
     stride_h, stride_da, stride_q, stride_s, stride_qt, stride_st, stride_part,  # strides
     GATED: tl.constexpr, ACT: tl.constexpr, LIMIT: tl.constexpr, ALPHA: tl.constexpr,
     OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr, POW2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """dh = act'(h) · (da · probs) (gate and up columns of a gated h), quantized twice;
-    part[pid_n, r] = Σ over the tile's columns of da · act(h). Zeros past offsets[E-1]."""
+    part[pid_n, r] = Σ over the tile's columns of da · act(h). Zeros past offsets[E-1]. Two
+    walks over column chunks, as in ``_act_fp8_kernel``."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    end = tl.load(offsets_ptr + E - 1)
-    rows, f, row_ok, f_ok, gc, uc = _tile(pid_m, pid_n, R, F, I, end, GATED, BLOCK_M, BLOCK_N)
-    mask = row_ok[:, None] & f_ok[None, :]
+    rows, row_ok, in_r = _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M)
     r64 = rows.to(tl.int64)
-    hg = tl.load(h_ptr + r64[:, None] * stride_h + gc[None, :], mask=mask, other=0.0)
-    hg = hg.to(tl.float32)
-    if GATED:
-        hu = tl.load(h_ptr + r64[:, None] * stride_h + uc[None, :], mask=mask, other=0.0)
-        hu = hu.to(tl.float32)
-    else:
-        hu = hg
-    da = tl.load(da_ptr + r64[:, None] * stride_da + f[None, :], mask=mask, other=0.0)
-    da = da.to(tl.float32)
-    d = da
-    if HAS_PROBS:
-        d = da * tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
-    all_rows = rows < R
-    off_m = pid_m * BLOCK_M
-    g_block = (gate_cols(pid_n * BLOCK_N, I) if GATED else pid_n * BLOCK_N) // BLOCK_N
-    store_fp8_tile(
-        tl.where(mask, dg, 0.0), rows, gc, all_rows, f_ok, off_m, g_block, q_ptr,
-        s_ptr, qt_ptr, st_ptr, stride_q, stride_s, stride_qt, stride_st, POW2, BLOCK_M,
-    )  # fmt: skip
-    if GATED:
-        u_block = g_block + I // BLOCK_N
-        store_fp8_tile(
-            tl.where(mask, du, 0.0), rows, uc, all_rows, f_ok, off_m, u_block, q_ptr,
-            s_ptr, qt_ptr, st_ptr, stride_q, stride_s, stride_qt, stride_st, POW2, BLOCK_M,
+    h_rows = h_ptr + r64[:, None] * stride_h
+    da_rows = da_ptr + r64[:, None] * stride_da
+    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+    f0, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
+    g0 = gate_cols(f0, I) if GATED else f0
+    g_amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    u_amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for c in range(BLOCK_N // CHUNK):
+        dp, dg, du, f, g, mask = _act_bwd_chunk(
+            h_rows, da_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok, GATED, ACT,
+            LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK,
         )  # fmt: skip
+        stored = in_r[:, None] & (f < F)[None, :]
+        part += tl.sum(dp, axis=1)
+        store_fp8_cols(dg, rows, g, stored, off_m, qt_ptr, st_ptr, stride_qt, stride_st, POW2,
+                       BLOCK_M)  # fmt: skip
+        g_amax = tl.maximum(g_amax, row_amax(dg, mask))
+        if GATED:
+            store_fp8_cols(du, rows, g + I, stored, off_m, qt_ptr, st_ptr, stride_qt,
+                           stride_st, POW2, BLOCK_M)  # fmt: skip
+            u_amax = tl.maximum(u_amax, row_amax(du, mask))
+    g_scale, g_inv = e4m3_scale(g_amax, POW2)
+    tl.store(s_ptr + r64 * stride_s + g0 // BLOCK_N, g_scale, mask=in_r)
+    u_scale, u_inv = e4m3_scale(u_amax, POW2)
+    if GATED:
+        tl.store(s_ptr + r64 * stride_s + (g0 + I) // BLOCK_N, u_scale, mask=in_r)
+    for c in range(BLOCK_N // CHUNK):
+        dp, dg, du, f, g, mask = _act_bwd_chunk(
+            h_rows, da_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok, GATED, ACT,
+            LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK,
+        )  # fmt: skip
+        stored = in_r[:, None] & (f < F)[None, :]
+        q_rows = q_ptr + r64[:, None] * stride_q
+        tl.store(q_rows + g[None, :], e4m3_bytes(dg, g_inv[:, None]), mask=stored)
+        if GATED:
+            tl.store(q_rows + (g + I)[None, :], e4m3_bytes(du, u_inv[:, None]), mask=stored)
     if HAS_PROBS:
-        part = tl.sum(tl.where(mask, da * act, 0.0), axis=1)
-        tl.store(part_ptr + pid_n * stride_part + rows, part, mask=all_rows)
+        tl.store(part_ptr + pid_n * stride_part + rows, part, mask=in_r)
 
 
 def _act_meta(act: Activation, interleave: int | None, F: int) -> dict:
@@ -146,19 +202,19 @@ def act_fp8(
     act: Activation,
     interleave: int | None,
     pow2: bool,
-    cfg: QuantizeConfig,  # the tile: block_m = block_k = 128
+    cfg: ActTileConfig,
 ) -> None:
     """a = act(h) · probs, written quantized into ``out`` (see the module docstring)."""
     R, F = out.q.shape
     meta, I = _act_meta(act, interleave, F)
-    grid = (triton.cdiv(R, cfg.block_m), triton.cdiv(F, cfg.block_k))
+    grid = (triton.cdiv(R, cfg.block_m), triton.cdiv(F, cfg.block_n))
     launch(
         _act_fp8_kernel, grid,
         h, probs if probs is not None else h, offsets, *out,
         R, F, offsets.shape[0], I,
         h.stride(0), out.q.stride(0), out.s.stride(0), out.qt.stride(0), out.st.stride(0),
-        HAS_PROBS=probs is not None, POW2=pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_k,
-        num_warps=cfg.num_warps, **meta,
+        HAS_PROBS=probs is not None, POW2=pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
 
 
@@ -172,12 +228,12 @@ def act_bwd_fp8(
     act: Activation,
     interleave: int | None,
     pow2: bool,
-    cfg: QuantizeConfig,
+    cfg: ActTileConfig,
 ) -> None:
     """dh = act'(h) · (da · probs) quantized into ``out``; dprobs partials into ``part``."""
     R, F = da.shape
     meta, I = _act_meta(act, interleave, F)
-    grid = (triton.cdiv(R, cfg.block_m), triton.cdiv(F, cfg.block_k))
+    grid = (triton.cdiv(R, cfg.block_m), triton.cdiv(F, cfg.block_n))
     dummy = da
     launch(
         _act_bwd_fp8_kernel, grid,
@@ -186,6 +242,6 @@ def act_bwd_fp8(
         R, F, offsets.shape[0], I,
         h.stride(0), da.stride(0), out.q.stride(0), out.s.stride(0), out.qt.stride(0),
         out.st.stride(0), part.stride(0) if part is not None else 0,
-        HAS_PROBS=probs is not None, POW2=pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_k,
-        num_warps=cfg.num_warps, **meta,
+        HAS_PROBS=probs is not None, POW2=pow2, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CHUNK=cfg.chunk, num_warps=cfg.num_warps, **meta,
     )  # fmt: skip
