@@ -64,13 +64,17 @@ def fp8_weight(w: torch.Tensor, recipe: Fp8Recipe | None = None) -> tuple[Fp8Ten
 
 def wgrad_operand(xq: Fp8Tensor, pow2_scale: bool = False) -> Callable[[], Fp8Tensor]:
     """x quantized 128×1 along the tokens, stored [K, T], for the backward: the producer's copy,
-    later from the tokens for permuted rows, now (keeping only the e4m3 bytes) otherwise."""
+    later from the tokens for permuted rows, now (keeping only the e4m3 bytes) otherwise. The
+    closure holds only what the backward needs, never x's own e4m3 rows."""
     if xq.col is not None:
-        return lambda: xq.col
-    again = lambda: requantize_fp8(xq, axis="col", transpose=True, pow2_scale=pow2_scale)
+        col = xq.col
+        return lambda: col
     if xq.source is not None and xq.source_rows is not None:
-        return again
-    xt = again()
+        source, rows = xq.source, xq.source_rows
+        return lambda: quantize_fp8(
+            source, axis="col", transpose=True, pow2_scale=pow2_scale, rows=rows
+        )
+    xt = requantize_fp8(xq, axis="col", transpose=True, pow2_scale=pow2_scale)
     return lambda: xt
 
 

@@ -7,6 +7,9 @@ zero tail past the last expert) and bad input. On the CPU the op runs its refere
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -145,6 +148,25 @@ def test_an_f_off_the_block_runs_the_composition_and_says_so():
                                composed=True)  # fmt: skip
     for name, g, w in zip(("y", "dx", "dw1", "dw2", "dprobs"), got, want, strict=True):
         _close(g, w, 1e-2, name)
+
+
+def test_the_backward_keeps_no_copy_of_the_rows():
+    # The weight gradient quantizes the rows along the tokens from the tokens again: between
+    # forward and backward the rows' e4m3 copy is not held (it would cost R·H bytes)
+    torch.manual_seed(4)
+    T, E, k = 64, 2, 2
+    x = torch.randn(T, H).to(DTYPE).requires_grad_()
+    ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    _, _, w1, w2, _ = _layer([128] * E)
+    w1.requires_grad_()
+    d = permute(x, ids, torch.rand(T, k), num_experts=E, align=128, fp8=Fp8Recipe())
+    rows = weakref.ref(d.hidden.data)
+    y = grouped_mlp_fp8(d.hidden, d.offsets, w1, w2, d.probs.to(DTYPE))
+    del d
+    gc.collect()
+    assert rows() is None
+    y.backward(torch.randn(y.shape).to(DTYPE))
+    assert x.grad is not None and w1.grad is not None
 
 
 def test_main_grad_and_no_grad():
