@@ -16,6 +16,11 @@ SwiGLU forms below, an activation other than SiLU or exact GELU) run transformer
 layout option of a newer transformers than this backend knows. The activation is read from the
 module's ``act_fn``, and from its ``_apply_gate`` where that is one of the forms transformers'
 models write for a gate moekit computes (the default gate in fp32, SwiGLU with clamps).
+
+``experts_implementation="moekit_fp8"`` (opt-in) runs the same experts in FP8
+(``moekit.Fp8Recipe()``, docs/fp8.md): the tokens quantized once in the permute, the experts'
+GEMMs in e4m3, the weights kept as they are. Experts the FP8 path cannot take (sizes not
+multiples of 16) run moekit's bf16 experts instead, with a one-time warning that says why.
 """
 
 from __future__ import annotations
@@ -29,22 +34,27 @@ import torch.nn.functional as F
 
 from moekit.activations import Activation
 from moekit.ops.autocast import autocast_dtype
+from moekit.ops.fp8_mlp import grouped_mlp_fp8
 from moekit.ops.grouped_mlp import grouped_mlp
 from moekit.ops.permute import permute, unpermute
+from moekit.ops.quantize import Fp8Recipe
 from moekit.ops.router import topk_routing
-from moekit.runtime.state import STATE, memoized
+from moekit.runtime.state import STATE, memoized, warn_once
 
 __all__ = [
     "ACTIVATION_TYPES",
     "BACKEND_NAME",
+    "FP8_BACKEND_NAME",
     "MIN_TRANSFORMERS",
     "moekit_experts_forward",
+    "moekit_fp8_experts_forward",
     "register",
     "unsupported",
     "use_moekit_router",
 ]
 
 BACKEND_NAME = "moekit"
+FP8_BACKEND_NAME = "moekit_fp8"
 MIN_TRANSFORMERS = "5.0"
 # the experts' act_fn (applied to the gate) -> moekit's gated activation act(gate) * up
 GATED_ACTIVATIONS = {"swiglu": torch.nn.functional.silu, "geglu": torch.nn.functional.gelu}
@@ -326,21 +336,55 @@ def moekit_experts_forward(
     reason = unsupported(self)
     if reason is not None:
         return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)
+
+
+def moekit_fp8_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,  # [T, H]
+    top_k_index: torch.Tensor,  # [T, k] expert ids
+    top_k_weights: torch.Tensor,  # [T, k] routing weights
+) -> torch.Tensor:  # [T, H], hidden_states' dtype
+    """The experts module's forward through moekit in FP8 (``experts_implementation=
+    "moekit_fp8"``): the blockwise recipe, the weights quantized once per version."""
+    reason = unsupported(self)
+    if reason is not None:
+        return _fallback(self, hidden_states, top_k_index, top_k_weights, reason)
+    H, F = self.gate_up_proj.shape[-1], self.down_proj.shape[-1]
+    if H % 16 or F % 16:
+        warn_once(
+            ("hf_fp8", type(self).__name__, H, F),
+            f"moekit FP8 experts backend: {type(self).__name__} has hidden size {H} and expert "
+            f"width {F}, not both multiples of 16 as the FP8 GEMMs need; it runs moekit's bf16 "
+            "experts instead",
+        )
+        return _experts_forward(self, hidden_states, top_k_index, top_k_weights, None)
+    return _experts_forward(self, hidden_states, top_k_index, top_k_weights, Fp8Recipe())
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights, fp8) -> torch.Tensor:
+    """permute → the experts' MLP (in FP8 with a recipe) → unpermute, on the module's weights."""
     w1, w2 = self.gate_up_proj, self.down_proj
     # autocast may hand fp32 activations to bf16 weights, or run fp32 weights in bf16
     x = hidden_states.to(autocast_dtype(hidden_states.device.type, w1.shape[-1]) or w1.dtype)
     # transformers' expert parallelism marks slots of other ranks' experts with ids >= the
     # local expert count: moekit's marker of a dropped slot is -1
     top_k_index = torch.where(top_k_index < w1.shape[0], top_k_index, -1)
-    d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0])
+    align = 128 if fp8 is not None else None
+    d = permute(x, top_k_index, top_k_weights, num_experts=w1.shape[0], align=align, fp8=fp8)
     activation = _gate_activation(self)[0]
+
+    def mlp(probs):
+        if fp8 is not None:
+            return grouped_mlp_fp8(d.hidden, d.offsets, w1, w2, probs, activation=activation)
+        return grouped_mlp(d.hidden, d.offsets, w1, w2, probs, activation=activation)
+
     if getattr(self, "has_post_expert_norm", False):
         # A norm of each expert's output comes before the routing weight (it would cancel a
         # weight applied inside the activation): the weights go in at the combine instead.
-        y = grouped_mlp(d.hidden, d.offsets, w1, w2, None, activation=activation)
-        y = self.post_expert_norm(y)
+        y = self.post_expert_norm(mlp(None))
         return unpermute(y.to(x.dtype), d, weighted=True).to(hidden_states.dtype)
-    y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs.to(x.dtype), activation=activation)
+    y = mlp(d.probs.to(x.dtype))
     return unpermute(y, d, weighted=False).to(hidden_states.dtype)
 
 
@@ -399,10 +443,12 @@ def use_moekit_router(model: torch.nn.Module) -> int:
     return swapped
 
 
-def register(name: str = BACKEND_NAME) -> None:
-    """Register the backend with transformers' experts interface under ``name`` (done on
-    import of this module)."""
-    _experts_module().ALL_EXPERTS_FUNCTIONS.register(name, moekit_experts_forward)
+def register(name: str = BACKEND_NAME, fp8_name: str = FP8_BACKEND_NAME) -> None:
+    """Register the backends with transformers' experts interface under ``name`` and, for the
+    FP8 one, ``fp8_name`` (done on import of this module)."""
+    functions = _experts_module().ALL_EXPERTS_FUNCTIONS
+    functions.register(name, moekit_experts_forward)
+    functions.register(fp8_name, moekit_fp8_experts_forward)
 
 
 # looked up once here, not on every forward (decode steps call the experts per token)

@@ -549,3 +549,42 @@ def test_gpu_inductor_fullgraph_of_the_moe_block(family):
     assert len(got) == len(want)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_backend_runs_the_experts_in_fp8(monkeypatch):
+    # experts_implementation="moekit_fp8": every MoE layer's experts through grouped_mlp_fp8;
+    # logits, loss and gradients within e4m3's error of the eager fp32 experts
+    from moekit.ops import fp8_mlp
+
+    model = tiny_model("qwen3_moe", "eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 13))
+    want = loss_and_grads(model, ids)
+    model.set_experts_implementation("moekit_fp8")
+    calls = []
+    real = fp8_mlp.grouped_mlp_fp8
+    monkeypatch.setattr(hf, "grouped_mlp_fp8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # F = 32: the composition, which says so once
+        got = loss_and_grads(model, ids)
+    assert len(calls) == COMMON["num_hidden_layers"]
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()
+    assert rel(got[0], want[0]) < 0.05 and abs(got[1] - want[1]) < 0.05 * want[1]
+    experts = [n for n in want[2] if "experts" in n]
+    assert experts and all(rel(got[2][n], want[2][n]) < 0.1 for n in experts)
+
+
+def test_fp8_backend_says_when_it_runs_bf16():
+    # sizes the FP8 GEMMs cannot take: moekit's bf16 experts, with a warning naming why
+    config = transformers.AutoConfig.for_model(
+        "qwen3_moe", **dict(COMMON, hidden_size=72, num_attention_heads=4),
+        **dict(FAMILIES["qwen3_moe"], head_dim=18),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+    ids = torch.randint(0, COMMON["vocab_size"], (1, 5))
+    want = model(input_ids=ids).logits
+    model.set_experts_implementation("moekit_fp8")
+    STATE.warned.clear()
+    with pytest.warns(RuntimeWarning, match="not both multiples of 16"):
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
