@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from moekit.ops.expert_exchange import BACKENDS, ExpertExchange, symmetric_unsupported
 from moekit.ops.permute import DispatchConfig, permute, unpermute
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8
 from moekit.ops.routing import capacity_drop, expert_capacity, max_rows
 
 __all__ = ["ExpertParallelConfig", "ExpertParallelRouting"]
@@ -117,8 +118,9 @@ class ExpertParallelRouting:
         return self._side_streams[device]
 
     def _rows_bound(self, received: int, k: int, align: int, capacity: int | None,
-                    max_tokens: int) -> int:  # fmt: skip
-        """Static bound of the expert rows on this rank (see ExpertParallelConfig)."""
+                    max_tokens: int, fp8: bool) -> int:  # fmt: skip
+        """Static bound of the expert rows on this rank (see ExpertParallelConfig); for FP8
+        experts whole 128-row blocks."""
         El, W = self.experts_local, self.group.size()
         rows = max_rows(received, min(k, El), El, align)
         if capacity is not None:  # at most C per expert from each source, plus padding
@@ -126,7 +128,7 @@ class ExpertParallelRouting:
         if self.config.rows_factor is not None:
             share = math.ceil(self.config.rows_factor * max_tokens * k)
             rows = min(rows, share + El * (align - 1))
-        return rows
+        return -(-rows // 128) * 128 if fp8 else rows
 
     def _local_experts(
         self, received: tuple, *, experts: Callable, bound_args: tuple, align: int | None,
@@ -134,7 +136,8 @@ class ExpertParallelRouting:
     ) -> torch.Tensor:  # fmt: skip
         """This rank's experts over the received tokens: one summed row per token."""
         rows, row_probs, ids = received
-        bound = self._rows_bound(rows.shape[0], ids.shape[1], align or 1, *bound_args)
+        fp8 = isinstance(rows, Fp8Tensor)
+        bound = self._rows_bound(rows.shape[0], ids.shape[1], align or 1, *bound_args, fp8)
         d = permute(
             rows, ids, row_probs, num_experts=self.experts_local, align=align, out_rows=bound,
             zero_tail=False,
@@ -157,6 +160,7 @@ class ExpertParallelRouting:
         dispatch: DispatchConfig,
         *,
         shape: Sequence[int] | None = None,
+        fp8: Fp8Recipe | None = None,  # the tokens travel quantized (ExpertExchange.dispatch_fp8)
     ) -> torch.Tensor:  # [T, H] (or ``shape``)
         T, k = indices.shape
         align, capacity_factor = dispatch.align, dispatch.capacity_factor
@@ -180,13 +184,17 @@ class ExpertParallelRouting:
             self._local_experts, experts=experts, bound_args=(capacity, chunk_max), align=align,
             dtype=tokens.dtype,
         )  # fmt: skip
-        outs = self._exchange_chunks(tokens, indices, probs, local, spans, chunk_max, backend)
+        outs = self._exchange_chunks(
+            tokens, indices, probs, local, spans, (chunk_max, backend, fp8)
+        )
         out = outs[0] if chunks == 1 else torch.cat(outs)
         return out if shape is None or tuple(shape) == tuple(out.shape) else out.view(shape)
 
-    def _exchange_chunks(self, tokens, indices, probs, local, spans, chunk_max, backend) -> list:
+    def _exchange_chunks(self, tokens, indices, probs, local, spans, how) -> list:
         """Dispatch every chunk, run ``local`` on each as it arrives, combine each: exchanges on
-        the side stream (when there are several chunks on a GPU), experts on the caller's."""
+        the side stream (when there are several chunks on a GPU), experts on the caller's.
+        ``how``: (the chunks' token bound, the backend, the FP8 recipe or None)."""
+        chunk_max, backend, fp8 = how
         side = self._side_stream(tokens.device) if len(spans) > 1 and tokens.is_cuda else None
         main = torch.cuda.current_stream(tokens.device) if side is not None else None
 
@@ -206,7 +214,12 @@ class ExpertParallelRouting:
                 ex = ExpertExchange(
                     indices[lo:hi], self.num_experts, self.group, chunk_max, backend, channel=i
                 )
-                received.append(ex.dispatch(tokens[lo:hi], probs[lo:hi]))
+                if fp8 is None:
+                    received.append(ex.dispatch(tokens[lo:hi], probs[lo:hi]))
+                else:  # each token quantized once, on its source rank
+                    block = None if fp8.scaling == "rowwise" else 128
+                    xq = quantize_fp8(tokens[lo:hi], block=block, pow2_scale=fp8.pow2_scale)
+                    received.append(ex.dispatch_fp8(xq, probs[lo:hi]))
                 done = None if side is None else side.record_event()
             self.last_exchanges.append(ex)
             received[-1] = (received[-1], done)
@@ -215,7 +228,7 @@ class ExpertParallelRouting:
             if side is not None:  # this chunk's tokens only, not the later dispatches
                 main.wait_event(done)
                 for t in got:
-                    t.record_stream(main)
+                    (t.data if isinstance(t, Fp8Tensor) else t).record_stream(main)
             part = local(got)
             hand_over((part,), side, main)
             with on_side():

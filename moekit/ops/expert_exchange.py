@@ -18,6 +18,11 @@ Two backends with the same results (:mod:`moekit.reference.exchange` is their or
 A token travels once per destination rank, not once per slot: with k = 8 experts over 4 ranks a
 token reaches about 3.6 ranks, so the bytes on the wire fall by more than half against
 exchanging the k permuted rows.
+
+FP8 (:meth:`ExpertExchange.dispatch_fp8`): tokens quantized along H travel as their e4m3 bytes
+and fp32 scales packed into one row of bytes (H + 4·⌈H/128⌉, padded to 16 bytes: about half a
+bf16 row), in the same regions and kernels; their gradient comes back in bf16 as dispatch's
+does, and the combine stays in the rows' dtype.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch.distributed as dist
 
 from moekit.distributed.symmetric_pool import get_pool
 from moekit.kernels import exchange as kernels
+from moekit.ops.quantize import Fp8Tensor, stand_in
 from moekit.ops.routing import routing_metadata
 from moekit.ops.validation import FLOAT_DTYPES, check_dtype, check_ndim, check_tensor
 from moekit.runtime.device import num_sms, use_triton
@@ -221,6 +227,29 @@ class ExpertExchange:
             return _SymmetricDispatch.apply(x, probs, self)
         return self._all_to_all_dispatch(x, probs)
 
+    def dispatch_fp8(
+        self,
+        xq: Fp8Tensor,  # [T, H] quantized along H (quantize_fp8(x))
+        probs: torch.Tensor,  # [T, k]
+    ) -> tuple[Fp8Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`dispatch` for quantized tokens: ``(rows [N, H] as an Fp8Tensor, probs, ids)``,
+        the rows' e4m3 bytes and scales moved as they are (no second rounding); the gradient
+        of the received rows (through their anchor) goes back to the tokens (through xq's)."""
+        if not isinstance(xq, Fp8Tensor) or xq.axis != "row" or xq.transposed or xq.data.dim() != 2:
+            raise ValueError("xq must be a [T, H] Fp8Tensor quantized along H (quantize_fp8(x))")
+        anchor = xq.anchor
+        if anchor is None:  # not differentiable: a stand-in of the tokens for the Function
+            anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
+        _, _, probs = _check(anchor, self.indices, probs)
+        self._choose(anchor)  # the regions sized for rows of x's dtype: room for the packed
+        packed = _pack(xq)
+        if self.backend == "symmetric":
+            rows, p, ids, got = _Fp8SymmetricDispatch.apply(anchor, probs, packed, self)
+        else:
+            rows, p, ids, got = self._all_to_all_dispatch_fp8(anchor, probs, packed)
+        data, scale = _unpack(got, xq.shape[1], xq.scale.shape[1])
+        return Fp8Tensor(data, scale, "row", xq.block, anchor=rows), p, ids
+
     def combine(self, y: torch.Tensor) -> torch.Tensor:
         """``y [N, H]``: a row per received token (as :meth:`dispatch` gave them) → ``[T, H]``,
         each token's rows from its owners summed (fp32, rank order; zeros for a token sent
@@ -322,6 +351,20 @@ class ExpertExchange:
         ids = torch.where(local, ids - lo, -1).to(torch.int32)
         return rows, torch.where(local, p, 0.0), ids
 
+    def _all_to_all_dispatch_fp8(self, anchor, probs, packed) -> tuple:
+        send, recv = self._host_splits()
+        tok = self.routes.lists[: sum(send)].long()
+        got = packed.new_empty(sum(recv), packed.shape[1])
+        dist.all_to_all_single(got, packed.index_select(0, tok), recv, send, group=self.group)
+        rows = _AllToAllAnchor.apply(anchor, tok, recv, send, self.group)
+        p = _AllToAll.apply(probs.index_select(0, tok).float(), recv, send, self.group)
+        ids = _AllToAll.apply(self.indices.index_select(0, tok).to(torch.int64), recv, send,
+                              self.group)  # fmt: skip
+        lo = self.rank * self.E_local
+        local = (ids >= lo) & (ids < lo + self.E_local)
+        ids = torch.where(local, ids - lo, -1).to(torch.int32)
+        return rows, torch.where(local, p, 0.0), ids, got
+
     def _all_to_all_combine(self, y: torch.Tensor) -> torch.Tensor:
         send, recv = self._host_splits()
         back = _AllToAll.apply(y, send, recv, self.group)
@@ -349,6 +392,53 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None
 
 
+def _pack(xq: Fp8Tensor) -> torch.Tensor:
+    """[T, H] e4m3 rows and their [T, nb] fp32 scales as one [T, P] uint8 tensor, P = H + 4·nb
+    rounded up to 16 bytes (the exchange's kernels read 16-byte aligned rows)."""
+    T, H = xq.shape
+    nb = xq.scale.shape[1]
+    width = -(-(H + 4 * nb) // 16) * 16
+    packed = xq.data.new_empty(T, width, dtype=torch.uint8)
+    packed[:, :H].copy_(xq.data.view(torch.uint8))
+    packed[:, H : H + 4 * nb].copy_(xq.scale.contiguous().view(torch.uint8))
+    return packed
+
+
+def _unpack(packed: torch.Tensor, H: int, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows [N, H], fp32 scales [N, nb]) as views of packed rows [N, P]."""
+    return packed[:, :H].view(torch.float8_e4m3fn), packed[:, H : H + 4 * nb].view(torch.float32)
+
+
+class _AllToAllAnchor(torch.autograd.Function):
+    """The anchor of the rows a quantized dispatch received: forward a stand-in of their shape
+    (the bytes move outside autograd), backward their bf16 gradient sent back and summed into
+    the tokens it came from."""
+
+    @staticmethod
+    def forward(ctx, anchor, tok, recv, send, group):
+        ctx.meta = (tok, recv, send, group, tuple(anchor.shape))
+        return stand_in(anchor, (sum(recv), anchor.shape[1]))
+
+    @staticmethod
+    def backward(ctx, grad):
+        tok, recv, send, group, shape = ctx.meta
+        back = grad.new_empty(sum(send), grad.shape[1])
+        dist.all_to_all_single(back, grad.contiguous(), send, recv, group=group)
+        out = grad.new_zeros(shape, dtype=torch.float32)
+        return out.index_add(0, tok, back.float()).to(grad.dtype), None, None, None, None
+
+
+def _dispatch_grads(ctx, grad_rows, grad_probs) -> tuple:
+    """(the tokens' gradient, the probs') of a symmetric dispatch: the combine's read."""
+    ex = ctx.ex
+    want_p = ctx.needs_input_grad[1]
+    if want_p:  # a slot's prob reached this rank as 0 unless its expert is here
+        (ids,) = ctx.saved_tensors
+        grad_probs = torch.where(ids >= 0, grad_probs, 0.0)
+    gx, gp = ex._pull_sum(grad_rows, grad_probs if want_p else None)
+    return gx, gp.to(ctx.probs_dtype) if want_p else None
+
+
 class _SymmetricDispatch(torch.autograd.Function):
     """x [T, H], probs [T, k] → received (rows, probs, ids); backward sums the rows' and probs'
     gradients back to their tokens (the combine's read)."""
@@ -365,13 +455,35 @@ class _SymmetricDispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_rows, grad_probs, _):
-        ex = ctx.ex
-        want_p = ctx.needs_input_grad[1]
-        if want_p:  # a slot's prob reached this rank as 0 unless its expert is here
-            (ids,) = ctx.saved_tensors
-            grad_probs = torch.where(ids >= 0, grad_probs, 0.0)
-        gx, gp = ex._pull_sum(grad_rows, grad_probs if want_p else None)
-        return gx, gp.to(ctx.probs_dtype) if want_p else None, None
+        return (*_dispatch_grads(ctx, grad_rows, grad_probs), None)
+
+
+class _Fp8SymmetricDispatch(torch.autograd.Function):
+    """The tokens' anchor [T, H], probs, their packed e4m3 rows [T, P] → (the received rows'
+    anchor [N, H], probs, ids, packed rows [N, P]); backward as :class:`_SymmetricDispatch`'s
+    (the rows' gradient in the tokens' dtype)."""
+
+    @staticmethod
+    def forward(ctx, x_anchor, probs, packed, ex: ExpertExchange):
+        ctx.set_materialize_grads(False)
+        ctx.ex, ctx.probs_dtype = ex, probs.dtype
+        ctx.rows_meta = (x_anchor.shape[1], x_anchor.dtype)
+        ex._stage_tokens(packed, probs)
+        ex._barrier(with_counts=True)
+        got, ids, p = ex._pull_tokens(torch.uint8, packed.shape[1], True, packed)
+        ctx.mark_non_differentiable(ids, got)
+        ctx.save_for_backward(ids)
+        return stand_in(x_anchor, (got.shape[0], x_anchor.shape[1])), p, ids, got
+
+    @staticmethod
+    def backward(ctx, grad_rows, grad_probs, _ids, _got):
+        H, dtype = ctx.rows_meta
+        if grad_rows is None:  # the rows took no part in the loss (their probs may have)
+            grad_rows = torch.zeros(ctx.ex.bound, H, dtype=dtype, device=grad_probs.device)
+        if grad_probs is None and ctx.needs_input_grad[1]:
+            grad_probs = torch.zeros(ctx.ex.bound, ctx.ex.indices.shape[1],
+                                     device=grad_rows.device)  # fmt: skip
+        return (*_dispatch_grads(ctx, grad_rows, grad_probs), None, None)
 
 
 class _SymmetricCombine(torch.autograd.Function):
