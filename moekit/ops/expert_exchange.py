@@ -237,9 +237,7 @@ class ExpertExchange:
         of the received rows (through their anchor) goes back to the tokens (through xq's)."""
         if not isinstance(xq, Fp8Tensor) or xq.axis != "row" or xq.transposed or xq.data.dim() != 2:
             raise ValueError("xq must be a [T, H] Fp8Tensor quantized along H (quantize_fp8(x))")
-        anchor = xq.anchor
-        if anchor is None:  # not differentiable: a stand-in of the tokens for the Function
-            anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
+        anchor = xq.anchor_or_stand_in()
         _, _, probs = _check(anchor, self.indices, probs)
         self._choose(anchor)  # the regions sized for rows of x's dtype: room for the packed
         packed = _pack(xq)

@@ -167,8 +167,6 @@ def grouped_linear_fp8(
             f"x must be quantized along its rows as the {recipe.scaling} recipe does, got "
             f"axis={xq.axis!r}, block={xq.block}"
         )
-    anchor = xq.anchor
-    if anchor is None:  # x needs no gradient: a stand-in of its shape for the Function
-        anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
+    anchor = xq.anchor_or_stand_in()
     out_dtype = out_dtype or anchor.dtype
     return _GroupedLinearFp8Fn.apply(anchor, weight, xq, offsets, out_dtype, recipe)

@@ -230,9 +230,7 @@ class _Fc1Fp8Fn(torch.autograd.Function):
 
 def _fc1_act(xq, offsets, w1, probs, act, interleave, recipe) -> Fp8Tensor:
     """a = act(fc1(x)) · probs as an Fp8Tensor (1×128, with its 128×1 copy along the tokens)."""
-    anchor = xq.anchor
-    if anchor is None:
-        anchor = torch.empty((), dtype=xq.orig_dtype, device=xq.device).expand(xq.shape)
+    anchor = xq.anchor_or_stand_in()
     if xq.scale.stride(-1) != 1 or not xq.data.is_contiguous():
         raise ValueError("x must be a contiguous Fp8Tensor (as quantize_fp8 and permute give)")
     a_anchor, a, sa, at, sat = _Fc1Fp8Fn.apply(

@@ -409,9 +409,7 @@ def _permute_fp8(
     if isinstance(hidden, torch.Tensor) and recipe.scaling == "rowwise":
         hidden = quantize_fp8(hidden, block=None, pow2_scale=recipe.pow2_scale)
     if isinstance(hidden, Fp8Tensor):
-        grad_src = (
-            hidden.anchor if hidden.anchor is not None else stand_in(hidden.data, hidden.shape)
-        )
+        grad_src = hidden.anchor_or_stand_in()
         payload, block = (hidden.data, hidden.scale), hidden.block
         source, source_rows = hidden.source, hidden.source_rows
     else:

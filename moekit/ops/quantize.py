@@ -126,6 +126,13 @@ class Fp8Tensor:
                 return t.dtype
         return torch.bfloat16
 
+    def anchor_or_stand_in(self) -> torch.Tensor:
+        """The anchor, or for a tensor whose gradient is not wanted a stand-in like it (x's
+        shape, ``orig_dtype``, no storage): what an FP8 op's Function takes as its input."""
+        if self.anchor is not None:
+            return self.anchor
+        return torch.empty((), dtype=self.orig_dtype, device=self.device).expand(self.shape)
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data · scale`` (computed in fp32) in ``dtype``."""
         data = self.data.transpose(-2, -1) if self.transposed else self.data

@@ -86,6 +86,18 @@ def test_an_fp8_tensor_moves_with_its_scales():
     assert torch.allclose(x.grad, gather_rows_torch(g, moved.row_index))
 
 
+def test_probs_train_through_rows_that_need_no_gradient():
+    # tokens quantized without a gradient, probs with one: the rows keep the tokens' dtype
+    T, H, E, k = 20, 128, 2, 2
+    ids, p = _routing(T, E, k, seed=5)
+    p.requires_grad_()
+    x = torch.randn(T, H).to(torch.bfloat16)
+    d = permute(quantize_fp8(x), ids, p, num_experts=E, align=128)
+    assert d.hidden.orig_dtype == torch.bfloat16 and not d.hidden.anchor.requires_grad
+    d.probs.sum().backward()
+    assert torch.equal(p.grad, (d.row_index >= 0).float())
+
+
 def test_rows_quantize_along_the_tokens_from_the_tokens():
     # no second rounding: the same as quantizing the bf16 permuted rows along the tokens
     T, H, E, k = 70, 256, 3, 2
