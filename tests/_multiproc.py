@@ -45,3 +45,23 @@ def run_gpu_check_under_torchrun(script: str, passed: str | None = None) -> None
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     if passed is not None:
         assert passed in proc.stdout, proc.stdout[-4000:]
+
+
+def load_local_experts(full: torch.nn.Module, ep: torch.nn.Module, rank: int, world: int) -> None:
+    """Give the expert-parallel layer ``ep`` the single-process layer ``full``'s weights: every
+    parameter, the experts' only this rank's share."""
+    experts = full.experts.fc1_weight.shape[0] // world
+    state = full.state_dict()
+    for name in ("experts.fc1_weight", "experts.fc2_weight"):
+        state[name] = state[name][rank * experts : (rank + 1) * experts].clone()
+    ep.load_state_dict(state)
+
+
+def rank_tokens(world: int, first: int, hidden: int, seed: int = 100) -> tuple[list, list, list]:
+    """(token counts, inputs, output gradients) of every rank, each rank ``9·rank`` tokens more
+    than the first: the same on every rank, different per rank."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [first + 9 * r for r in range(world)]
+    xs = [torch.randn(n, hidden, generator=gen) for n in sizes]
+    gs = [torch.randn(n, hidden, generator=gen) for n in sizes]
+    return sizes, xs, gs

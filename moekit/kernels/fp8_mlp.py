@@ -49,13 +49,9 @@ def _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _act_chunk(
-    h_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
-    LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
-    CHUNK: tl.constexpr,
-):  # fmt: skip
-    """(act(h) · p [BM, CHUNK], its columns f, their mask) of the activation columns from f0,
-    whose gate columns start at g0 (contiguous: a chunk lies in one GLU block)."""
+def _load_h(h_rows, f0, g0, F, I, row_ok, GATED: tl.constexpr, CHUNK: tl.constexpr):
+    """(activation columns f, gate columns g, mask, gate values, up values) of a chunk of h's
+    rows: the up columns I after the gate ones; an ungated h's values twice."""
     f = f0 + tl.arange(0, CHUNK)
     g = g0 + tl.arange(0, CHUNK)
     mask = row_ok[:, None] & (f < F)[None, :]
@@ -63,6 +59,18 @@ def _act_chunk(
     hu = hg
     if GATED:
         hu = tl.load(h_rows + (g + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return f, g, mask, hg, hu
+
+
+@triton.jit
+def _act_chunk(
+    h_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
+    LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    """(act(h) · p [BM, CHUNK], its columns f, their mask) of the activation columns from f0,
+    whose gate columns start at g0 (contiguous: a chunk lies in one GLU block)."""
+    f, _, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, CHUNK)
     out = act_fwd(hg, hu, ACT, LIMIT, ALPHA, OFFSET)
     if HAS_PROBS:
         out = out * p[:, None]
@@ -116,13 +124,7 @@ def _act_bwd_chunk(
 ):  # fmt: skip
     """(da · act(h), dg, du, f, gate columns, mask) of a chunk of activation columns, zeros
     outside the mask (act(0) = 0 and its gradients too, for every activation)."""
-    f = f0 + tl.arange(0, CHUNK)
-    g = g0 + tl.arange(0, CHUNK)
-    mask = row_ok[:, None] & (f < F)[None, :]
-    hg = tl.load(h_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
-    hu = hg
-    if GATED:
-        hu = tl.load(h_rows + (g + I)[None, :], mask=mask, other=0.0).to(tl.float32)
+    f, g, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, CHUNK)
     da = tl.load(da_rows + f[None, :], mask=mask, other=0.0).to(tl.float32)
     d = da * p[:, None] if HAS_PROBS else da
     act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)

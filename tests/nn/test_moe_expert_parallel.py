@@ -21,7 +21,12 @@ from moekit.distributed import set_pool
 from moekit.kernels.exchange import exchange_layout
 from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import pool_use
-from tests._multiproc import finish_worker, run_gpu_check_under_torchrun
+from tests._multiproc import (
+    finish_worker,
+    load_local_experts,
+    rank_tokens,
+    run_gpu_check_under_torchrun,
+)
 from tests._shared_pool import SharedFilePool, make_files
 
 H, F, E, K, T = 16, 8, 8, 2, 11
@@ -46,16 +51,10 @@ def _worker(rank, world, port, capacity_factor, align, chunks=None, paths=None) 
             cfg = ExpertParallelConfig(backend="symmetric", max_tokens=MAX_T, chunks=chunks)
         ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, ep_config=cfg, **kw)
         El = E // world
-        state = full.state_dict()
-        for name in ("experts.fc1_weight", "experts.fc2_weight"):
-            state[name] = state[name][rank * El : (rank + 1) * El].clone()
-        ep.load_state_dict(state)
+        load_local_experts(full, ep, rank, world)
         # every rank's tokens (and output gradients) and token counts differ; one rank may
         # route nothing to some rank's experts
-        gen = torch.Generator().manual_seed(100)
-        sizes = [T + 9 * r for r in range(world)]
-        xs = [torch.randn(n, H, generator=gen) for n in sizes]
-        gs = [torch.randn(n, H, generator=gen) for n in sizes]
+        sizes, xs, gs = rank_tokens(world, T, H)
         x = xs[rank].clone().requires_grad_()
         y = ep(x)
         y.backward(gs[rank])

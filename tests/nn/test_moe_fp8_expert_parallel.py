@@ -23,7 +23,7 @@ from moekit.distributed import set_pool
 from moekit.kernels.exchange import exchange_layout
 from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import pool_use
-from tests._multiproc import finish_worker
+from tests._multiproc import finish_worker, load_local_experts, rank_tokens
 from tests._shared_pool import SharedFilePool, make_files
 
 H, F, E, K, T = 32, 32, 4, 2, 11
@@ -50,14 +50,8 @@ def _worker(rank, world, port, capacity_factor, paths=None) -> None:
             cfg = ExpertParallelConfig(backend="symmetric", max_tokens=MAX_T)
         ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, ep_config=cfg, **kw)
         El = E // world
-        state = full.state_dict()
-        for name in ("experts.fc1_weight", "experts.fc2_weight"):
-            state[name] = state[name][rank * El : (rank + 1) * El].clone()
-        ep.load_state_dict(state)
-        gen = torch.Generator().manual_seed(100)
-        sizes = [T + 9 * r for r in range(world)]
-        xs = [torch.randn(n, H, generator=gen) for n in sizes]
-        gs = [torch.randn(n, H, generator=gen) for n in sizes]
+        load_local_experts(full, ep, rank, world)
+        sizes, xs, gs = rank_tokens(world, T, H)
         x = xs[rank].clone().requires_grad_()
         y = ep(x)
         y.backward(gs[rank])
