@@ -65,3 +65,22 @@ def rank_tokens(world: int, first: int, hidden: int, seed: int = 100) -> tuple[l
     xs = [torch.randn(n, hidden, generator=gen) for n in sizes]
     gs = [torch.randn(n, hidden, generator=gen) for n in sizes]
     return sizes, xs, gs
+
+
+def steps_ep_and_full(ep, full, rank: int, world: int, first: int, capacity_factor) -> tuple:
+    """One forward + backward of the expert-parallel layer on this rank's tokens and of the
+    single-process layer on every rank's (with a capacity limit, on each rank's alone: drops
+    are decided per rank). Returns (this rank's y, its input with .grad, the single-process
+    layer's y and input rows of this rank, the input's gradient rows of this rank)."""
+    sizes, xs, gs = rank_tokens(world, first, full.router.weight.shape[1])
+    x = xs[rank].clone().requires_grad_()
+    y = ep(x)
+    y.backward(gs[rank])
+    xa = torch.cat(xs).requires_grad_()
+    if capacity_factor is None:
+        ya = full(xa)
+    else:
+        ya = torch.cat([full(part) for part in xa.split(sizes)])
+    ya.backward(torch.cat(gs))
+    mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+    return y, x, ya[mine], xa.grad[mine]

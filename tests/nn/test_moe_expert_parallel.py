@@ -24,8 +24,8 @@ from moekit.ops.expert_exchange import pool_use
 from tests._multiproc import (
     finish_worker,
     load_local_experts,
-    rank_tokens,
     run_gpu_check_under_torchrun,
+    steps_ep_and_full,
 )
 from tests._shared_pool import SharedFilePool, make_files
 
@@ -54,19 +54,9 @@ def _worker(rank, world, port, capacity_factor, align, chunks=None, paths=None) 
         load_local_experts(full, ep, rank, world)
         # every rank's tokens (and output gradients) and token counts differ; one rank may
         # route nothing to some rank's experts
-        sizes, xs, gs = rank_tokens(world, T, H)
-        x = xs[rank].clone().requires_grad_()
-        y = ep(x)
-        y.backward(gs[rank])
-        xa = torch.cat(xs).requires_grad_()
-        if capacity_factor is None:
-            ya = full(xa)
-        else:  # drops are decided per rank: the full layer over each rank's tokens alone
-            ya = torch.cat([full(part) for part in xa.split(sizes)])
-        ya.backward(torch.cat(gs))
-        lo = sum(t.shape[0] for t in xs[:rank])
-        torch.testing.assert_close(y, ya[lo : lo + xs[rank].shape[0]], rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(x.grad, xa.grad[lo : lo + x.shape[0]], rtol=1e-4, atol=1e-5)
+        y, x, ya, xa_grad = steps_ep_and_full(ep, full, rank, world, T, capacity_factor)
+        torch.testing.assert_close(y, ya, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x.grad, xa_grad, rtol=1e-4, atol=1e-5)
         for name in ("fc1_weight", "fc2_weight"):
             got = getattr(ep.experts, name).grad
             want = getattr(full.experts, name).grad[rank * El : (rank + 1) * El]

@@ -23,7 +23,7 @@ from moekit.distributed import set_pool
 from moekit.kernels.exchange import exchange_layout
 from moekit.nn import DispatchConfig, ExpertParallelConfig, MoELayer
 from moekit.ops.expert_exchange import pool_use
-from tests._multiproc import finish_worker, load_local_experts, rank_tokens
+from tests._multiproc import finish_worker, load_local_experts, steps_ep_and_full
 from tests._shared_pool import SharedFilePool, make_files
 
 H, F, E, K, T = 32, 32, 4, 2, 11
@@ -51,19 +51,8 @@ def _worker(rank, world, port, capacity_factor, paths=None) -> None:
         ep = MoELayer(H, F, E, K, ep_group=dist.group.WORLD, ep_config=cfg, **kw)
         El = E // world
         load_local_experts(full, ep, rank, world)
-        sizes, xs, gs = rank_tokens(world, T, H)
-        x = xs[rank].clone().requires_grad_()
-        y = ep(x)
-        y.backward(gs[rank])
-        xa = torch.cat(xs).requires_grad_()
-        if capacity_factor is None:
-            ya = full(xa)
-        else:  # drops are decided per rank: the full layer over each rank's tokens alone
-            ya = torch.cat([full(part) for part in xa.split(sizes)])
-        ya.backward(torch.cat(gs))
-        lo = sum(sizes[:rank])
-        assert _rel(y, ya[lo : lo + sizes[rank]]) < 1e-5
-        assert _rel(x.grad, xa.grad[lo : lo + sizes[rank]]) < 1e-5
+        y, x, ya, xa_grad = steps_ep_and_full(ep, full, rank, world, T, capacity_factor)
+        assert _rel(y, ya) < 1e-5 and _rel(x.grad, xa_grad) < 1e-5
         experts = slice(rank * El, (rank + 1) * El)
         # e4m3 rounds to 3 mantissa bits: a second rounding moves each operand by < 2^-4. So
         # does another grouping into 128-token blocks: with capacity drops the reference runs
