@@ -17,9 +17,10 @@ PY := .venv/bin/python
 run: .venv/.ready
 	$(PY) examples/train_moe.py
 
-# Kernels run in Triton's interpreter on CPU; GPU tests (`-m gpu`) skip without CUDA.
+# Kernels run in Triton's interpreter on CPU; GPU tests (`-m gpu`) skip without CUDA. Two
+# worker processes (pytest-xdist), each taking whole files: the interpreter is single-threaded.
 test: .venv/.ready
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu"
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -m "not gpu" -n 2 --dist loadfile
 
 lint: .venv/.ready
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .
