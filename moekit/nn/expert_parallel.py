@@ -217,8 +217,8 @@ class ExpertParallelRouting:
                 if fp8 is None:
                     received.append(ex.dispatch(tokens[lo:hi], probs[lo:hi]))
                 else:  # each token quantized once, on its source rank
-                    block = None if fp8.scaling == "rowwise" else 128
-                    xq = quantize_fp8(tokens[lo:hi], block=block, pow2_scale=fp8.pow2_scale)
+                    xq = quantize_fp8(tokens[lo:hi], block=fp8.row_block,
+                                      pow2_scale=fp8.pow2_scale)  # fmt: skip
                     received.append(ex.dispatch_fp8(xq, probs[lo:hi]))
                 done = None if side is None else side.record_event()
             self.last_exchanges.append(ex)

@@ -80,8 +80,7 @@ def wgrad_operand(xq: Fp8Tensor, pow2_scale: bool = False) -> Callable[[], Fp8Te
 
 def _quantize_rows(t: torch.Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
     """Activations or output gradients [T, K] as the forward / dgrad GEMM's a operand."""
-    block = None if recipe.scaling == "rowwise" else 128
-    return quantize_fp8(t, block=block, pow2_scale=recipe.pow2_scale)
+    return quantize_fp8(t, block=recipe.row_block, pow2_scale=recipe.pow2_scale)
 
 
 def _quantize_tokens(t: torch.Tensor, recipe: Fp8Recipe) -> Fp8Tensor:
@@ -162,7 +161,7 @@ def grouped_linear_fp8(
     recipe = recipe or BLOCKWISE
     if xq is None:
         xq = _quantize_rows(x, recipe)
-    elif (xq.block is None) != (recipe.scaling == "rowwise") or xq.axis != "row":
+    elif xq.block != recipe.row_block or xq.axis != "row":
         raise ValueError(
             f"x must be quantized along its rows as the {recipe.scaling} recipe does, got "
             f"axis={xq.axis!r}, block={xq.block}"

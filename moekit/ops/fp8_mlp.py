@@ -244,7 +244,7 @@ def _check_args(x, offsets, w1, w2, probs, act, glu_interleave, recipe) -> torch
     """The rows' tensor (x, or an Fp8Tensor's data) of a checked call."""
     if not isinstance(recipe, Fp8Recipe):
         raise TypeError(f"recipe must be a moekit.ops.Fp8Recipe, got {type(recipe).__name__}")
-    block = None if recipe.scaling == "rowwise" else BLOCK
+    block = recipe.row_block
     if isinstance(x, Fp8Tensor) and (x.axis != "row" or x.block != block or x.transposed):
         raise ValueError(
             f"x must be an Fp8Tensor quantized with axis='row', block={block} (the "

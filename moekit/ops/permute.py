@@ -406,7 +406,7 @@ def _permute_fp8(
 ) -> tuple[Fp8Tensor, torch.Tensor]:
     """(rows [R, H] as an Fp8Tensor, row probs [R]) of permute with FP8 rows (``copy``: the
     row map, offsets, tokens per expert, R, align, tail_lo)."""
-    if isinstance(hidden, torch.Tensor) and recipe.scaling == "rowwise":
+    if isinstance(hidden, torch.Tensor) and recipe.row_block is None:  # rowwise: quantize first
         hidden = quantize_fp8(hidden, block=None, pow2_scale=recipe.pow2_scale)
     if isinstance(hidden, Fp8Tensor):
         grad_src = hidden.anchor_or_stand_in()
@@ -416,15 +416,17 @@ def _permute_fp8(
         grad_src, payload, block = hidden, recipe.pow2_scale, QUANT_BLOCK
         source, source_rows = hidden.detach(), None
     row_index, num_rows = copy[0], copy[3]
-    rows = row_tokens(row_index, num_rows)  # each row's token, to requantize from the source
-    if source_rows is not None:
-        rows = torch.where(rows >= 0, source_rows[rows.clamp(min=0).long()], -1).int()
+    rows = None
+    if source is not None and torch.is_grad_enabled():  # for a weight gradient's operand only
+        rows = row_tokens(row_index, num_rows)  # each row's token, to requantize from the source
+        if source_rows is not None:
+            rows = torch.where(rows >= 0, source_rows[rows.clamp(min=0).long()], -1).int()
     if needs_grad(grad_src, probs):
         anchor, vals, data, scale = _apply_permute_fp8(grad_src, probs, *copy, payload)
     else:
         (data, scale, vals), anchor = _permute_fp8_rows(grad_src, probs, *copy, payload), None
-    out = Fp8Tensor(data, scale, "row", block, anchor=anchor, source=source,
-                    source_rows=rows if source is not None else None)  # fmt: skip
+    source = source if rows is not None else None  # kept only with the row map it needs
+    out = Fp8Tensor(data, scale, "row", block, anchor=anchor, source=source, source_rows=rows)
     return out, vals
 
 

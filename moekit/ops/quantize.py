@@ -67,6 +67,12 @@ class Fp8Recipe:
     scaling: Literal["blockwise", "rowwise"] = "blockwise"
     pow2_scale: bool = False
 
+    @property
+    def row_block(self) -> int | None:
+        """The ``block`` of ``quantize_fp8`` for activations and output gradients under this
+        recipe: 128 (blockwise), None (rowwise: the whole row)."""
+        return None if self.scaling == "rowwise" else 128
+
     def __post_init__(self) -> None:
         if not isinstance(self.scaling, str):
             raise TypeError(f"Fp8Recipe.scaling must be a str, got {type(self.scaling).__name__}")
