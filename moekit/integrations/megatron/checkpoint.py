@@ -25,8 +25,12 @@ from megatron.core.transformer.utils import (
 
 __all__ = ["grouped_to_sequential", "sequential_to_grouped"]
 
-_SEQUENTIAL = re.compile(r"^(.*)local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
-_GROUPED = re.compile(r"^(.*)(linear_fc[12])\.(weight|bias)(\d+)$")
+_SEQUENTIAL = re.compile(
+    r"^(?P<head>.*)local_experts\.(?P<i>\d+)\.(?P<fc>linear_fc[12])\.(?P<kind>weight|bias|_extra_state)$"
+)
+_GROUPED = re.compile(r"^(?P<head>.*)(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)(?P<i>\d+)$")
+_SEQUENTIAL_KEY = "{head}local_experts.{i}.{fc}.{kind}"
+_GROUPED_KEY = "{head}{fc}.{kind}{i}"
 # the tensor-parallel dim of each linear's tensors (fc1 column-parallel, fc2 row-parallel, its
 # bias replicated), as Megatron's ColumnParallelLinear / RowParallelLinear shard them
 _TP_AXES = {"linear_fc1": {"weight": 0, "bias": 0}, "linear_fc2": {"weight": 1}}
@@ -100,31 +104,32 @@ def sharded_experts(experts, prefix: str, sharded_offsets: tuple, metadata: dict
     return out
 
 
+def _rename(state_dict: dict, pattern: re.Pattern, entries) -> dict:
+    """``state_dict`` with each key ``pattern`` matches replaced by ``entries(match, value)``."""
+    out = {}
+    for key, value in state_dict.items():
+        m = pattern.match(key)
+        out.update(entries(m.groupdict(), value) if m else {key: value})
+    return out
+
+
 def sequential_to_grouped(state_dict: dict) -> dict:
     """A state dict with ``SequentialMLP`` experts (``…local_experts.<i>.linear_fc1.weight``)
     in the ``TEGroupedMLP`` / moekit layout (``…linear_fc1.weight<i>``); the linears'
     ``_extra_state`` entries dropped, every other entry as it is."""
-    out = {}
-    for key, value in state_dict.items():
-        m = _SEQUENTIAL.match(key)
-        if m:
-            head, i, fc, kind = m.groups()
-            out[f"{head}{fc}.{kind}{i}"] = value
-        elif not re.match(r"^.*local_experts\.\d+\.linear_fc[12]\._extra_state$", key):
-            out[key] = value
-    return out
+
+    def entries(g: dict, value) -> dict:
+        return {} if g["kind"] == "_extra_state" else {_GROUPED_KEY.format(**g): value}
+
+    return _rename(state_dict, _SEQUENTIAL, entries)
 
 
 def grouped_to_sequential(state_dict: dict) -> dict:
     """The inverse of :func:`sequential_to_grouped`, with the ``_extra_state`` entries (None)
     that ``SequentialMLP``'s linears expect under strict loading."""
-    out = {}
-    for key, value in state_dict.items():
-        m = _GROUPED.match(key)
-        if m:
-            head, fc, kind, i = m.groups()
-            out[f"{head}local_experts.{i}.{fc}.{kind}"] = value
-            out.setdefault(f"{head}local_experts.{i}.{fc}._extra_state", None)
-        else:
-            out[key] = value
-    return out
+
+    def entries(g: dict, value) -> dict:
+        extra = _SEQUENTIAL_KEY.format(**{**g, "kind": "_extra_state"})
+        return {_SEQUENTIAL_KEY.format(**g): value, extra: None}
+
+    return _rename(state_dict, _GROUPED, entries)
