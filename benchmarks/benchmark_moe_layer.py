@@ -19,6 +19,7 @@ quantization kernels of one step (the casts).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 from functools import partial
@@ -100,9 +101,18 @@ def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
         finally:
             layer.experts.recompute_activation = False
 
+    def moekit_regather():  # the experts' input rows gathered again in backward, not kept
+        plain = layer.dispatch
+        layer.dispatch = dataclasses.replace(plain, recompute_rows=True)
+        try:
+            return moekit()
+        finally:
+            layer.dispatch = plain
+
     if ep_group is not None:
         return {"moekit": moekit, "torch": baseline(torch_ep_moe, ep_group)}
-    out = {"moekit": moekit, "moekit_recompute": moekit_recompute, "torch": baseline(torch_moe)}
+    out = {"moekit": moekit, "moekit_recompute": moekit_recompute,
+           "moekit_regather": moekit_regather, "torch": baseline(torch_moe)}  # fmt: skip
     if with_loop:
         out["loop"] = baseline(loop_moe)
     return out
@@ -162,7 +172,8 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     res["moekit_tflops"] = flops / res["moekit_ms"] / 1e9
     res["floor_ms"] = flops / peak_tflops / 1e9 if cuda else math.nan
     bc.ratios(res, "ms", {"speedup_vs_torch": ("torch", "moekit"),
-                          "speedup_vs_loop": ("loop", "moekit")})  # fmt: skip
+                          "speedup_vs_loop": ("loop", "moekit"),
+                          "regather_time_ratio": ("moekit_regather", "moekit")})  # fmt: skip
     del layer, x, dy, fns
     rf, us = router_steps(T, E, k, opts, device, args.dtype), lambda f: ms(f) * 1e3
     # host-bound calls drift between rounds: the speed-up is the median of within-round ratios
@@ -378,7 +389,8 @@ COLUMNS = [
     ("loop ms", "loop_ms"), ("× torch", "speedup_vs_torch"), "target",
     ("TFLOP/s", "moekit_tflops"), ("floor ms", "floor_ms"), ("graph m", "moekit_graph_ms"),
     ("graph t", "torch_graph_ms"), ("MiB m", "moekit_peak_mib"), ("MiB t", "torch_peak_mib"),
-    ("MiB recomp", "moekit_recompute_peak_mib"), ("router µs m", "router_moekit_us"),
+    ("MiB recomp", "moekit_recompute_peak_mib"), ("MiB regather", "moekit_regather_peak_mib"),
+    ("regather time ×", "regather_time_ratio"), ("router µs m", "router_moekit_us"),
     ("t", "router_torch_us"), ("floor", "router_floor_us"), ("×", "router_speedup"),
     ("graph ×", "router_graph_speedup"), ("autocast ×", "autocast_speedup_vs_torch"),
     ("autocast overhead ms", "autocast_overhead_ms"), ("cast floor ms", "autocast_cast_floor_ms"),

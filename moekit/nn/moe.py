@@ -7,8 +7,10 @@ attached to the routing probs so that they train the router without the caller a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -18,7 +20,7 @@ from moekit.nn.expert_parallel import ExpertParallelConfig, ExpertParallelRoutin
 from moekit.nn.grouped_mlp import GroupedMLP
 from moekit.nn.router import RouterOutput, TopKRouter
 from moekit.ops.autocast import autocast_on, autocast_tensors
-from moekit.ops.permute import DispatchConfig, permute, unpermute
+from moekit.ops.permute import Dispatch, DispatchConfig, permute, permuted_rows, unpermute
 from moekit.ops.quantize import Fp8Recipe, Fp8Tensor
 from moekit.ops.router import RouterConfig
 
@@ -47,9 +49,35 @@ def routed_experts(
         tokens, route.indices, route.probs, num_experts=num_experts, align=dispatch.align,
         capacity_factor=dispatch.capacity_factor, fp8=fp8,
     )  # fmt: skip
-    dtype = d.hidden.orig_dtype if isinstance(d.hidden, Fp8Tensor) else d.hidden.dtype
+    quantized = isinstance(d.hidden, Fp8Tensor)
+    dtype = d.hidden.orig_dtype if quantized else d.hidden.dtype
     probs = d.probs.to(dtype) if scale_by_probs else None
-    return unpermute(experts(d.hidden, d.offsets, probs), d, weighted=False, shape=shape)
+    regather = dispatch.recompute_rows and not quantized
+    with _rows_regathered(tokens, d) if regather else contextlib.nullcontext():
+        out = experts(d.hidden, d.offsets, probs)
+    return unpermute(out, d, weighted=False, shape=shape)
+
+
+class _RegatherRows:
+    """What autograd saves in place of a dispatch's rows under :func:`_rows_regathered`."""
+
+
+@contextlib.contextmanager
+def _rows_regathered(tokens: torch.Tensor, d: Dispatch) -> Iterator[None]:
+    """Autograd, inside, saves ``d.hidden`` (the permuted rows) as a note to gather them again
+    from ``tokens`` when the backward unpacks them (``DispatchConfig.recompute_rows``). Nothing
+    here holds the rows themselves: a weak reference tells them apart while they are saved."""
+    rows = weakref.ref(d.hidden)
+    meta, source = dataclasses.replace(d, hidden=None, probs=None), tokens.detach()
+
+    def pack(t: torch.Tensor) -> object:
+        return _RegatherRows if t is rows() else t
+
+    def unpack(packed: object) -> torch.Tensor:
+        return permuted_rows(source, meta) if packed is _RegatherRows else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 class SharedExpert(nn.Module):
@@ -156,6 +184,12 @@ class MoELayer(nn.Module):
                 f"dispatch must be a moekit.nn.DispatchConfig, got {type(dispatch).__name__}"
             )
         self.dispatch = dispatch or DispatchConfig()
+        if self.dispatch.recompute_rows and (self.ep is not None or fp8 is not None):
+            raise ValueError(
+                "dispatch.recompute_rows needs a single-device bf16/fp16/fp32 layer: with "
+                "ep_group the rows come from the exchange, with fp8 they are already taken "
+                "from the tokens"
+            )
         if fp8 is not None:
             if self.dispatch.align not in (None, 128):
                 raise ValueError(

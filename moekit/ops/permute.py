@@ -55,6 +55,7 @@ __all__ = [
     "Dispatch",
     "DispatchConfig",
     "permute",
+    "permuted_rows",
     "sort_chunks_by_index",
     "unpermute",
 ]
@@ -119,13 +120,23 @@ class DispatchConfig:
         None: dropless.
     align: pad each expert's rows to a multiple of this (one of 8, 16, 32, 64, 128; e.g. the
         block of an FP8 GEMM); None: packed.
+    recompute_rows: the experts' backward gathers their input rows from the tokens again
+        (:func:`permuted_rows`) instead of the forward keeping them for the weight gradient:
+        one [R, H] tensor less held from forward to backward (R = T·k rows), one more
+        permute-sized copy in backward. bf16/fp16/fp32 rows only (FP8 rows already come from
+        the tokens).
     """
 
     capacity_factor: float | None = None
     align: int | None = None
+    recompute_rows: bool = False
 
     def __post_init__(self) -> None:
         _check_align(self.align)
+        if not isinstance(self.recompute_rows, bool):
+            raise TypeError(
+                f"recompute_rows must be a bool, got {type(self.recompute_rows).__name__}"
+            )
         if self.capacity_factor is not None:
             expert_capacity(self.capacity_factor, 1, 1, 1, 1)  # its checks of the factor
 
@@ -547,6 +558,17 @@ def permute(
         num_tokens=T, topk=k, num_experts=E, align=None if a == 1 else a, num_rows=num_rows,
         dropless=not may_drop, capacity=capacity,
     )  # fmt: skip
+
+
+def permuted_rows(hidden: torch.Tensor, dispatch: Dispatch) -> torch.Tensor:
+    """``dispatch.hidden`` gathered again from ``hidden``, the tokens :func:`permute` made it
+    from: the same rows bit for bit (zero padding and tail), outside autograd. ``dispatch`` may
+    have ``hidden=None`` (its routing metadata is what is read)."""
+    d = dispatch
+    copy = (d.row_index, d.offsets, d.tokens_per_expert, d.num_rows, d.align or 1,
+            _tail_lo(d.dropless, d.num_tokens * d.topk, d.num_rows))  # fmt: skip
+    rows, _ = _permute_rows(hidden.detach(), None, *copy)
+    return rows
 
 
 def unpermute(

@@ -161,6 +161,63 @@ def test_activation_checkpointing_gives_the_same_gradients(reentrant):
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
+@pytest.mark.parametrize(
+    "dispatch", [DispatchConfig(), DispatchConfig(capacity_factor=0.6), DispatchConfig(align=8)],
+    ids=["dropless", "capacity_drops", "aligned"],
+)  # fmt: skip
+def test_recompute_rows_gives_the_same_gradients_and_frees_the_rows(
+    dispatch, interpret, monkeypatch
+):
+    """DispatchConfig(recompute_rows=True): the experts' backward gathers their input rows
+    again, bit for bit, so every gradient equals the plain layer's exactly. Where the fused
+    experts run (the interpreter here, the GPU there) the rows are not held from forward to
+    backward, as they are without the option, and they are gathered once in the backward; the
+    unfused CPU path saves per-expert views of the rows, which stay as they are."""
+    import dataclasses
+    import gc
+    import weakref
+
+    import moekit.nn.moe as moe_module
+
+    regathers = []
+    real = moe_module.permuted_rows
+    monkeypatch.setattr(moe_module, "permuted_rows", lambda *a: regathers.append(1) or real(*a))
+    torch.manual_seed(6)
+    kw = dict(router=RouterConfig(aux_loss_coeff=0.1), shared_expert_ffn_size=8)
+    plain = MoELayer(32, 24, 8, 2, dispatch=dispatch, **kw)
+    regather = MoELayer(32, 24, 8, 2, dispatch=dataclasses.replace(dispatch, recompute_rows=True),
+                        **kw)  # fmt: skip
+    regather.load_state_dict(plain.state_dict())
+    x, g = torch.randn(5, 7, 32), torch.randn(5, 7, 32)
+    grads, alive = [], []
+    for layer in (plain, regather):
+        seen = []  # a weak reference to the experts' input rows
+
+        def keep(_module, args, seen=seen):
+            seen.append(weakref.ref(args[0]))
+
+        handle = layer.experts.register_forward_pre_hook(keep)
+        xi = x.clone().requires_grad_()
+        y = layer(xi)
+        gc.collect()
+        alive.append(seen[0]() is not None)
+        y.backward(g)
+        handle.remove()
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
+    if interpret:
+        assert alive == [True, False] and len(regathers) == 1
+
+
+def test_recompute_rows_declines_what_it_cannot_run():
+    with pytest.raises(TypeError, match="recompute_rows must be a bool, got int"):
+        DispatchConfig(recompute_rows=1)
+    with pytest.raises(ValueError, match="recompute_rows needs a single-device bf16"):
+        MoELayer(32, 32, 8, 2, dispatch=DispatchConfig(recompute_rows=True),
+                 fp8=__import__("moekit").Fp8Recipe())  # fmt: skip
+
+
 def test_non_contiguous_input():
     torch.manual_seed(4)
     layer = MoELayer(16, 8, 4, 2)
@@ -292,8 +349,10 @@ def test_gpu_matches_per_expert_loop(name, T, E, k, H, Fd, opts):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "opts", [{}, dict(dispatch=DispatchConfig(1.0, align=16)), "autocast"],
-    ids=["dropless", "capacity", "fp32_under_autocast"],
+    "opts",
+    [{}, dict(dispatch=DispatchConfig(1.0, align=16)), "autocast",
+     dict(dispatch=DispatchConfig(recompute_rows=True))],
+    ids=["dropless", "capacity", "fp32_under_autocast", "recompute_rows"],
 )  # fmt: skip
 def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
     autocast = opts == "autocast"
@@ -313,3 +372,30 @@ def test_gpu_layer_step_has_no_host_sync_and_captures_in_a_cuda_graph(opts):
         return torch.autograd.grad(y, [x, *params], g.to(y.dtype))
 
     replays_like_eager(step, (x, g))
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_rows_holds_one_rows_tensor_less():
+    """Between forward and backward, the layer with recompute_rows holds about one [R, H]
+    tensor less (R = T·k rows) than the plain layer, and its gradients are the same bits."""
+    import dataclasses
+
+    T, E, k, H, F = 4096, 16, 4, 1024, 512
+    plain = MoELayer(H, F, E, k, device="cuda", dtype=torch.bfloat16)
+    dispatch = dataclasses.replace(plain.dispatch, recompute_rows=True)
+    regather = MoELayer(H, F, E, k, device="cuda", dtype=torch.bfloat16, dispatch=dispatch)
+    regather.load_state_dict(plain.state_dict())
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+    held, grads = [], []
+    for layer in (plain, regather):
+        xi = x.clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = layer(xi)
+        held.append(torch.cuda.memory_allocated() - before)
+        y.backward(torch.ones_like(y))
+        grads.append([xi.grad, *(p.grad for p in layer.parameters())])
+        del y
+    assert held[0] - held[1] >= 0.9 * T * k * H * 2, held
+    for got, want in zip(grads[1], grads[0]):
+        assert torch.equal(got, want)
