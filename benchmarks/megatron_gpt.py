@@ -37,13 +37,15 @@ def init_single_process(seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def gpt_config(shape: str, layers: int, dtype: torch.dtype) -> TransformerConfig:
+def gpt_config(
+    shape: str, layers: int, dtype: torch.dtype, dispatcher: str = "alltoall"
+) -> TransformerConfig:
     hidden, heads, experts, topk, ffn = SHAPES[shape]
     return TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
         ffn_hidden_size=4 * hidden, num_moe_experts=experts, moe_router_topk=topk,
         moe_ffn_hidden_size=ffn, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, normalization="RMSNorm", moe_token_dispatcher_type="alltoall",
+        add_bias_linear=False, normalization="RMSNorm", moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, hidden_dropout=0.0,
         attention_dropout=0.0,
