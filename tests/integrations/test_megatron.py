@@ -194,6 +194,20 @@ def test_main_grad_accumulates_and_fires_the_gradient_hooks():
         seq.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_cpu_initialisation_equals_sequential(gated):
+    """With use_cpu_initialization, the same seed gives moekit's experts SequentialMLP's
+    weights exactly: Megatron's init methods, applied expert by expert in the same order."""
+    cfg = config(gated_linear_unit=gated, add_bias_linear=True)
+    torch.manual_seed(3)
+    seq = SequentialMLP(E, cfg, LINEARS, pg_collection=get_default_pg_collection())
+    torch.manual_seed(3)
+    ours = mg.MoekitExperts(E, cfg, pg_collection=get_default_pg_collection())
+    want = mg.sequential_to_grouped(seq.state_dict())
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
 def test_state_dict_layout_and_round_trip():
     cfg = config(add_bias_linear=True)
     seq, ours = pair(cfg)

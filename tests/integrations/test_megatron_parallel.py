@@ -90,8 +90,11 @@ def _check(rank: int, ep: int, etp: int, bias: bool) -> None:
         torch.manual_seed(0)  # the same master weights on both ranks (CPU initialisation)
         seq = SequentialMLP(local, cfg, MLPSubmodules(linear_fc1=ColumnParallelLinear,
                             linear_fc2=RowParallelLinear), pg_collection=pg)  # fmt: skip
+        torch.manual_seed(0)
         ours = mg.MoekitExperts(local, cfg, pg_collection=pg)
-        ours.load_state_dict(mg.sequential_to_grouped(seq.state_dict()))
+        # the same shards of the same master weights as Megatron's CPU initialisation
+        want = mg.sequential_to_grouped(seq.state_dict())
+        assert all(torch.equal(v, want[k]) for k, v in ours.state_dict().items())
         assert all(p.allreduce == (ep == 1) for p in ours.parameters())
         assert _sharded(ours) == _sharded(seq)
         if bias:

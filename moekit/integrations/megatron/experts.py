@@ -76,25 +76,29 @@ class MoekitExperts(MegatronModule):
         self._mark_parameters()
 
     def _initialize_weights(self) -> None:
-        """Megatron's init methods, expert by expert, under its expert-parallel RNG state on
-        the GPU (as its expert linears do); biases start at zero, as Megatron's do."""
-
-        methods = ((self.fc1_weight, self.config.init_method),
-                   (self.fc2_weight, self.config.output_layer_init_method))  # fmt: skip
-
-        def init() -> None:
-            with torch.no_grad():
-                for w, method in methods:
-                    for i in range(self.num_local_experts):
-                        master = torch.empty_like(w[i], dtype=torch.float32)
-                        method(master)
-                        w[i].copy_(master)
-
+        """Megatron's init methods, expert by expert, as its expert linears apply them: on the
+        GPU to this rank's shard under the expert-parallel RNG state; on the CPU
+        (``use_cpu_initialization``) to the whole expert weight, of which this rank keeps its
+        expert-tensor-parallel shard (the same weights at any split). Biases start at zero."""
+        tp, rank = self.tp_group.size(), self.tp_group.rank()
+        gated = self.options.activation.gated
+        init1, init2 = self.config.init_method, self.config.output_layer_init_method
         if self.fc1_weight.is_cuda:
-            with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
-                init()
-        else:
-            init()
+            rng = get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name())
+            with rng, torch.no_grad():
+                for w, method in ((self.fc1_weight, init1), (self.fc2_weight, init2)):
+                    for i in range(self.num_local_experts):
+                        method(w[i])
+            return
+        with torch.no_grad():
+            for i in range(self.num_local_experts):
+                w1 = torch.empty(self.fc1_weight.shape[1] * tp, self.fc1_weight.shape[2])
+                init1(w1)
+                halves = w1.chunk(2) if gated else (w1,)
+                self.fc1_weight[i].copy_(torch.cat([h.chunk(tp)[rank] for h in halves]))
+                w2 = torch.empty(self.fc2_weight.shape[1], self.fc2_weight.shape[2] * tp)
+                init2(w2)
+                self.fc2_weight[i].copy_(w2.chunk(tp, dim=1)[rank])
 
     def _mark_parameters(self) -> None:
         """The attributes Megatron's DDP, optimizer and grad-norm read off expert parameters:
