@@ -58,6 +58,30 @@ def routed_experts(
     return unpermute(out, d, weighted=False, shape=shape)
 
 
+def _layer_dispatch(dispatch: object, expert_parallel: bool, fp8: object) -> DispatchConfig:
+    """The layer's dispatch options, checked against what the layer runs: FP8's weight
+    gradients take 128-row segments; recompute_rows needs rows permuted here in bf16/fp16/fp32."""
+    if dispatch is not None and not isinstance(dispatch, DispatchConfig):
+        raise TypeError(
+            f"dispatch must be a moekit.nn.DispatchConfig, got {type(dispatch).__name__}"
+        )
+    dispatch = dispatch or DispatchConfig()
+    if dispatch.recompute_rows and (expert_parallel or fp8 is not None):
+        raise ValueError(
+            "dispatch.recompute_rows needs a single-device bf16/fp16/fp32 layer: with "
+            "ep_group the rows come from the exchange, with fp8 they are already taken "
+            "from the tokens"
+        )
+    if fp8 is None:
+        return dispatch
+    if dispatch.align not in (None, 128):
+        raise ValueError(
+            "fp8 needs dispatch.align None or 128 (the FP8 weight gradients work on "
+            f"128-row blocks), got {dispatch.align}"
+        )
+    return dataclasses.replace(dispatch, align=128)
+
+
 class _RegatherRows:
     """What autograd saves in place of a dispatch's rows under :func:`_rows_regathered`."""
 
@@ -179,24 +203,7 @@ class MoELayer(nn.Module):
         if shared_expert_ffn_size:
             self.shared_expert = SharedExpert(hidden_size, shared_expert_ffn_size, activation, **kw)
         self.num_experts, self.k = num_experts, k
-        if dispatch is not None and not isinstance(dispatch, DispatchConfig):
-            raise TypeError(
-                f"dispatch must be a moekit.nn.DispatchConfig, got {type(dispatch).__name__}"
-            )
-        self.dispatch = dispatch or DispatchConfig()
-        if self.dispatch.recompute_rows and (self.ep is not None or fp8 is not None):
-            raise ValueError(
-                "dispatch.recompute_rows needs a single-device bf16/fp16/fp32 layer: with "
-                "ep_group the rows come from the exchange, with fp8 they are already taken "
-                "from the tokens"
-            )
-        if fp8 is not None:
-            if self.dispatch.align not in (None, 128):
-                raise ValueError(
-                    "fp8 needs dispatch.align None or 128 (the FP8 weight gradients work on "
-                    f"128-row blocks), got {self.dispatch.align}"
-                )
-            self.dispatch = dataclasses.replace(self.dispatch, align=128)
+        self.dispatch = _layer_dispatch(dispatch, self.ep is not None, fp8)
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.last_z_loss: torch.Tensor | None = None
