@@ -30,9 +30,14 @@ from moekit.tuning.fp8 import ACT_TILE
 
 
 @triton.jit
-def _rows(pid_m, c, R, end, RC: tl.constexpr, BLOCK_M: tl.constexpr):
+def _rows(pid_m, c, R, end, probs_ptr, HAS_PROBS: tl.constexpr, RC: tl.constexpr,
+          BLOCK_M: tl.constexpr):  # fmt: skip
+    """(rows, rows before the last expert's end, rows inside the tensor, the rows as int64
+    [RC, 1], their probs) of row chunk c of a 128-row block."""
     rows = pid_m * BLOCK_M + c * RC + tl.arange(0, RC)
-    return rows, rows < end, rows < R
+    row_ok = rows < end
+    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+    return rows, row_ok, rows < R, rows.to(tl.int64)[:, None], p
 
 
 @triton.jit
@@ -71,9 +76,8 @@ def _act_rows_kernel(
     g0 = gate_cols(f0, I) if GATED else f0
     cmax = tl.zeros((RC, BLOCK_N), dtype=tl.float32)
     for c in range(BLOCK_M // RC):
-        rows, row_ok, in_r = _rows(pid_m, c, R, end, RC, BLOCK_M)
-        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
-        out, f, mask = _act_chunk(h_ptr + rows.to(tl.int64)[:, None] * stride_h, p, f0, g0, F,
+        rows, row_ok, in_r, r64, p = _rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, RC, BLOCK_M)
+        out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F,
                                   I, row_ok, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS,
                                   BLOCK_N)  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
@@ -84,9 +88,8 @@ def _act_rows_kernel(
     cols = f0 + tl.arange(0, BLOCK_N)
     tl.store(st_ptr + pid_m * stride_st + cols, scale, mask=cols < F)
     for c in range(BLOCK_M // RC):
-        rows, row_ok, in_r = _rows(pid_m, c, R, end, RC, BLOCK_M)
-        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
-        out, f, mask = _act_chunk(h_ptr + rows.to(tl.int64)[:, None] * stride_h, p, f0, g0, F,
+        rows, row_ok, in_r, r64, p = _rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, RC, BLOCK_M)
+        out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F,
                                   I, row_ok, GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS,
                                   BLOCK_N)  # fmt: skip
         _store_cols(qt_ptr, out, f, rows, in_r[:, None] & (f < F)[None, :], inv, stride_qt)
@@ -107,9 +110,7 @@ def _act_bwd_rows_kernel(
     gmax = tl.zeros((RC, BLOCK_N), dtype=tl.float32)
     umax = tl.zeros((RC, BLOCK_N), dtype=tl.float32)
     for c in range(BLOCK_M // RC):
-        rows, row_ok, in_r = _rows(pid_m, c, R, end, RC, BLOCK_M)
-        r64 = rows.to(tl.int64)[:, None]
-        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+        rows, row_ok, in_r, r64, p = _rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, RC, BLOCK_M)
         dp, dg, du, f, g, mask = _act_bwd_chunk(
             h_ptr + r64 * stride_h, da_ptr + r64 * stride_da, p, f0, g0, F, I, row_ok, GATED,
             ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,
@@ -132,9 +133,7 @@ def _act_bwd_rows_kernel(
     if GATED:
         tl.store(st_ptr + pid_m * stride_st + gc + I, u_scale, mask=cols < F)
     for c in range(BLOCK_M // RC):
-        rows, row_ok, in_r = _rows(pid_m, c, R, end, RC, BLOCK_M)
-        r64 = rows.to(tl.int64)[:, None]
-        p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+        rows, row_ok, in_r, r64, p = _rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, RC, BLOCK_M)
         dp, dg, du, f, g, mask = _act_bwd_chunk(
             h_ptr + r64 * stride_h, da_ptr + r64 * stride_da, p, f0, g0, F, I, row_ok, GATED,
             ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,

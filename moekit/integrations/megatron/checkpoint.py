@@ -77,6 +77,7 @@ def sharded_experts(experts, prefix: str, sharded_offsets: tuple, metadata: dict
     E = experts.num_local_experts
     num_global, first = experts.ep_group.size() * E, experts.ep_group.rank() * E
     gated = experts.options.activation.gated
+    params = _params(experts)
     out = {}
     for i in range(E):
         if singleton:
@@ -86,10 +87,8 @@ def sharded_experts(experts, prefix: str, sharded_offsets: tuple, metadata: dict
             sh_prefix, offsets = f"{prefix}experts.", (*sharded_offsets, expert_axis)
         for fc, tp_axes in _TP_AXES.items():
             tensors = {"_extra_state": None}
-            for kind in ("weight", "bias"):
-                p = _params(experts)[f"{fc}.{kind}"]
-                if p is not None:
-                    tensors[kind] = p[i]
+            tensors.update({kind: params[f"{fc}.{kind}"][i] for kind in ("weight", "bias")
+                            if params[f"{fc}.{kind}"] is not None})  # fmt: skip
             sd = make_sharded_tensors_for_checkpoint(
                 tensors, f"{sh_prefix}{fc}.", tp_axes, offsets, tp_group=experts.tp_group,
                 dp_cp_group=metadata["dp_cp_group"],
