@@ -1,10 +1,13 @@
 """The training example with moekit and with the torch-native baseline: tokens/s and loss parity.
 
     python benchmarks/benchmark_training.py --out bench_out [--config mid] [--steps 300]
+    python benchmarks/benchmark_training.py --out bench_out --steps 1000 \
+        --variants moekit_fp8 moekit_bf16 moekit_fp32          # FP8 against bf16
 
-``examples/train_moe.py`` from one seed: moekit bf16, torch_moe.py bf16 and fp32 (each after a
-few untimed steps). Parity: the moekit-vs-torch gap of the 25-step moving-average loss is no
-larger than torch's bf16-vs-fp32 gap.
+``examples/train_moe.py`` from one seed (each variant after a few untimed steps): moekit in
+bf16, in FP8 (``--fp8``) and in fp32, torch_moe.py in bf16 and fp32. Parity: the gap of the
+25-step moving-average loss of moekit bf16 to torch bf16, and of moekit FP8 to moekit bf16, is
+no larger than the bf16-vs-fp32 gap of the same layer (moekit's where it ran, else torch's).
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import sys
 
 import common as bc
 
-VARIANTS = {"moekit_bf16": ("moekit", "bfloat16"), "torch_bf16": ("torch", "bfloat16"),
-            "torch_fp32": ("torch", "float32")}  # name: (baseline, dtype)  # fmt: skip
+VARIANTS = {"moekit_bf16": ["--dtype", "bfloat16"], "moekit_fp8": ["--dtype", "bfloat16", "--fp8"],
+            "moekit_fp32": ["--dtype", "float32"],
+            "torch_bf16": ["--baseline", "torch", "--dtype", "bfloat16"],
+            "torch_fp32": ["--baseline", "torch", "--dtype", "float32"]}  # fmt: skip
+# (a variant, the one it is held against, what the ratio of their tokens/s is called)
+PAIRS = [("moekit_bf16", "torch_bf16", "moekit / torch"), ("moekit_fp8", "moekit_bf16",
+         "moekit FP8 / bf16")]  # fmt: skip
 WINDOW = 25
-TOKENS_PER_S_TARGET = 1.5
 
 
 def moving_average(xs: list[float], w: int = WINDOW) -> list[float]:
@@ -26,33 +33,33 @@ def moving_average(xs: list[float], w: int = WINDOW) -> list[float]:
 
 
 def run_variant(example, name: str, args) -> dict:
-    baseline, dtype = VARIANTS[name]
     batch = [] if args.batch is None else ["--batch", str(args.batch)]
-    flags = ["--config", args.config, "--baseline", baseline, "--dtype", dtype, "--seed", "0",
-             "--no-progress", *batch]  # fmt: skip
+    flags = ["--config", args.config, *VARIANTS[name], "--seed", "0", "--no-progress", *batch]
     scratch = os.path.join(args.out, "runs", name)
     example.main([*flags, "--steps", str(args.warmup_steps), "--out", scratch + "-warmup"])
     return example.main([*flags, "--steps", str(args.steps), "--out", scratch])
 
 
 def compare(runs: dict, res: dict) -> list[str]:
-    """The tokens/s ratio and the loss gaps against the bf16 noise bound, into ``res``."""
+    """The tokens/s ratios and the loss gaps against the bf16 noise bound, into ``res``."""
     avg = lambda name: moving_average(runs[name]["losses"])
-    lines, gap = [], lambda a, b: max(abs(x - y) for x, y in zip(avg(a), avg(b)))
-    if {"moekit_bf16", "torch_bf16"} <= runs.keys():
-        m, t = runs["moekit_bf16"], runs["torch_bf16"]
-        res["tokens_per_s_ratio"] = m["tokens_per_s"] / t["tokens_per_s"]
-        res["gap_moekit_vs_torch"] = gap("moekit_bf16", "torch_bf16")
-        lines.append(f"moekit / torch tokens/s: {res['tokens_per_s_ratio']:.2f} (target >= "
-                     f"{TOKENS_PER_S_TARGET})\nmax |moving-average gap| moekit vs torch (bf16): "
-                     f"{res['gap_moekit_vs_torch']:.4f} nats/byte")  # fmt: skip
-    if {"torch_fp32", "torch_bf16"} <= runs.keys():
-        res["gap_bf16_vs_fp32"] = gap("torch_bf16", "torch_fp32")
-        lines.append(f"max |moving-average gap| torch bf16 vs fp32 (the bound): "
-                     f"{res['gap_bf16_vs_fp32']:.4f} nats/byte")  # fmt: skip
-    if "gap_moekit_vs_torch" in res and "gap_bf16_vs_fp32" in res:
-        res["parity"] = res["gap_moekit_vs_torch"] <= res["gap_bf16_vs_fp32"]
-        lines.append(f"parity (moekit gap <= bf16 noise): {res['parity']}")
+    gap = lambda a, b: max(abs(x - y) for x, y in zip(avg(a), avg(b)))
+    lines = []
+    for fp32 in ("moekit_fp32", "torch_fp32"):
+        if "gap_bf16_vs_fp32" not in res and {fp32, fp32.replace("fp32", "bf16")} <= runs.keys():
+            res["gap_bf16_vs_fp32"] = gap(fp32.replace("fp32", "bf16"), fp32)
+            lines.append(f"max |moving-average gap| {fp32.split('_')[0]} bf16 vs fp32 (the "
+                         f"bound): {res['gap_bf16_vs_fp32']:.4f} nats/byte")  # fmt: skip
+    for ours, theirs, ratio in PAIRS:
+        if {ours, theirs} <= runs.keys():
+            r = res[f"tokens_per_s_{ours}_over_{theirs}"] = (
+                runs[ours]["tokens_per_s"] / runs[theirs]["tokens_per_s"])  # fmt: skip
+            g = res[f"gap_{ours}_vs_{theirs}"] = gap(ours, theirs)
+            lines.append(f"{ratio} tokens/s: {r:.2f}; max |moving-average gap| {ours} vs "
+                         f"{theirs}: {g:.4f} nats/byte")  # fmt: skip
+            if "gap_bf16_vs_fp32" in res:
+                res[f"parity_{ours}"] = g <= res["gap_bf16_vs_fp32"]
+                lines.append(f"parity ({ours} gap <= bf16 noise): {res[f'parity_{ours}']}")
     return lines
 
 

@@ -4,7 +4,7 @@
 
 Per shape (the layer's permuted rows, align 128) and config: forward and backward µs, the
 bytes each must move (reads of h, da, probs; writes of both e4m3 copies and their scales) as
-GB/s, and whether its bytes equal the default config's. The copy rate of the same run is the
+GB/s, and whether its bytes equal the default configs'. The copy rate of the same run is the
 ceiling. A row per config as it is measured, one table last.
 """
 
@@ -20,10 +20,10 @@ from triton.testing import do_bench
 
 from moekit.activations import resolve_activation
 from moekit.kernels.fp8_mlp import Fp8Out, act_bwd_fp8, act_fp8
-from moekit.tuning.fp8 import ACT_TILE
+from moekit.tuning.fp8 import ACT_BWD_TILE, ACT_TILE
 
 SHAPES = {"qwen3": (65536, 128, 768), "mixtral": (16384, 8, 14336)}
-CONFIGS = [
+CONFIGS = [  # rows per chunk × warps
     dataclasses.replace(ACT_TILE, chunk=c, num_warps=w)
     for c, w in itertools.product((16, 32, 64), (4, 8, 16))
 ]
@@ -60,7 +60,7 @@ def _shape_rows(name: str, R: int, E: int, F: int, act) -> list:
     ref_f, ref_b = _out(R, F), _out(R, 2 * F)
     part = torch.empty(F // 128, R, device="cuda")
     act_fp8(h, probs, offsets, ref_f, act, None, False, ACT_TILE)
-    act_bwd_fp8(h, da, probs, offsets, ref_b, part, act, None, False, ACT_TILE)
+    act_bwd_fp8(h, da, probs, offsets, ref_b, part, act, None, False, ACT_BWD_TILE)
     ref_part = part.clone()
     for cfg in CONFIGS:
         of, ob = _out(R, F), _out(R, 2 * F)

@@ -32,7 +32,6 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_rowwise",
     "row_amax",
-    "store_fp8_cols",
 ]
 
 
@@ -85,24 +84,6 @@ def e4m3_bytes(x, inv):
     inf · 0) as e4m3's NaN byte 0x7F."""
     q = x * inv
     return tl.where(q == q, _e4m3_byte(tl.clamp(q, -448.0, 448.0)), 0x7F)
-
-
-@triton.jit
-def store_fp8_cols(
-    v, rows, cols, mask, off_m, qt_ptr, st_ptr, stride_qt, stride_st,
-    POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-):  # fmt: skip
-    """The fp32 tile ``v`` [BM, C] (the rows of one 128-row token block, columns ``cols``)
-    quantized per column over its rows: bytes into qt [cols, rows] (the tokens contiguous),
-    scales into st[off_m / BM, cols]. Entries outside ``mask`` count as zeros and are not
-    stored (their columns' scales are, where any row of the column is inside)."""
-    v = tl.where(mask, v, 0.0)
-    mag = tl.where(v == v, tl.abs(v), 0.0)
-    scale, inv = e4m3_scale(tl.max(mag, axis=0), POW2)  # [C]
-    qt = e4m3_bytes(v, inv[None, :])
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None], qt, mask=mask)
-    col_in = tl.max(mask.to(tl.int32), axis=0) > 0
-    tl.store(st_ptr + (off_m // BLOCK_M) * stride_st + cols, scale, mask=col_in)
 
 
 @triton.jit

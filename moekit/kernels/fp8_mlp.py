@@ -9,8 +9,9 @@ its result quantized twice, so the activation output and its gradient never exis
 
 One program per [128, 128] tile of [R, F]: 128 rows (a token block of one expert: every
 expert's rows start and end at multiples of 128) by 128 activation columns (a gated h holds
-the tile's gate and up columns, a 128-column block each), walked in column chunks. Rows past
-the last expert's end give zeros. The math of act and act' is
+the tile's gate and up columns, a 128-column block each), walked in chunks of whole rows (so
+the 1×128 row scales come from within a chunk and only the 128×1 column scales need a
+reduction over the tile). Rows past the last expert's end give zeros. The math of act and act' is
 :mod:`moekit.kernels.grouped_mlp`'s, the quantization :mod:`moekit.kernels.fp8`'s.
 """
 
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 from moekit.activations import Activation
-from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale, row_amax, store_fp8_cols
+from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale, row_amax
 from moekit.kernels.grouped_mlp import ACT_CODES, act_bwd, act_fwd, gate_cols
 from moekit.runtime.replay import launch
 from moekit.tuning.fp8 import ActTileConfig
@@ -41,19 +42,22 @@ class Fp8Out(NamedTuple):
 
 
 @triton.jit
-def _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M: tl.constexpr):
-    """(rows, rows before the last expert's end, rows inside the tensor) of a 128-row block."""
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    end = tl.load(offsets_ptr + E - 1)
-    return rows, rows < end, rows < R
+def _chunk_rows(pid_m, c, R, end, probs_ptr, HAS_PROBS: tl.constexpr, CHUNK: tl.constexpr,
+                BLOCK_M: tl.constexpr):  # fmt: skip
+    """(rows, rows before the last expert's end, rows inside the tensor, the rows as int64
+    [CHUNK, 1], their probs) of row chunk ``c`` of the 128-row block ``pid_m``."""
+    rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
+    row_ok = rows < end
+    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
+    return rows, row_ok, rows < R, rows.to(tl.int64)[:, None], p
 
 
 @triton.jit
-def _load_h(h_rows, f0, g0, F, I, row_ok, GATED: tl.constexpr, CHUNK: tl.constexpr):
+def _load_h(h_rows, f0, g0, F, I, row_ok, GATED: tl.constexpr, BLOCK_N: tl.constexpr):
     """(activation columns f, gate columns g, mask, gate values, up values) of a chunk of h's
     rows: the up columns I after the gate ones; an ungated h's values twice."""
-    f = f0 + tl.arange(0, CHUNK)
-    g = g0 + tl.arange(0, CHUNK)
+    f = f0 + tl.arange(0, BLOCK_N)
+    g = g0 + tl.arange(0, BLOCK_N)
     mask = row_ok[:, None] & (f < F)[None, :]
     hg = tl.load(h_rows + g[None, :], mask=mask, other=0.0).to(tl.float32)
     hu = hg
@@ -66,15 +70,41 @@ def _load_h(h_rows, f0, g0, F, I, row_ok, GATED: tl.constexpr, CHUNK: tl.constex
 def _act_chunk(
     h_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
     LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
-    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """(act(h) · p [BM, CHUNK], its columns f, their mask) of the activation columns from f0,
-    whose gate columns start at g0 (contiguous: a chunk lies in one GLU block)."""
-    f, _, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, CHUNK)
+    """(act(h) · p [CHUNK, BLOCK_N], its columns f, their mask) of a chunk of rows over the
+    activation columns from f0, whose gate columns start at g0 (one GLU block)."""
+    f, _, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, BLOCK_N)
     out = act_fwd(hg, hu, ACT, LIMIT, ALPHA, OFFSET)
     if HAS_PROBS:
         out = out * p[:, None]
     return tl.where(mask, out, 0.0), f, mask
+
+
+@triton.jit
+def _store_rows(q_ptr, s_ptr, v, rows, cols, mask, stored, in_r, stride_q, stride_s, block,
+                POW2: tl.constexpr):  # fmt: skip
+    """The 1×128 quantization of the chunk ``v`` (zero outside ``mask``): the scales of the
+    rows ``in_r`` into column ``block`` of s, the bytes where ``stored``."""
+    scale, inv = e4m3_scale(row_amax(v, mask), POW2)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + block, scale, mask=in_r)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+             e4m3_bytes(v, inv[:, None]), mask=stored)  # fmt: skip
+
+
+@triton.jit
+def _col_max(cmax, v, mask):
+    """The elementwise running max |v| of the chunks (NaN and entries outside ``mask`` left
+    out); one reduction over its rows after the walk gives the columns' amax."""
+    return tl.maximum(cmax, tl.where(mask & (v == v), tl.abs(v), 0.0))
+
+
+@triton.jit
+def _store_cols(qt_ptr, v, cols, rows, mask, inv, stride_qt):
+    """The chunk ``v``'s bytes at the columns' inverse scales ``inv``, transposed: qt[cols,
+    rows], the tokens contiguous."""
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None],
+             e4m3_bytes(v, inv[None, :]), mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -88,43 +118,46 @@ def _act_fp8_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
     """a = act(h) · probs for the rows before offsets[E-1] (zeros after), quantized twice.
-    The tile is walked in column chunks twice (its values recomputed, not held, which would
-    spill registers): first the per-column quantization and the rows' amax, then the per-row
-    quantization. The walks are runtime loops, not unrolled: unrolled, the compiler merges
-    the second walk's loads with the first's and holds every chunk's values again."""
+    The tile is walked twice in chunks of CHUNK whole rows (its values recomputed, not held,
+    which would spill registers): the first walk writes the 1×128 copy, whose row scales lie
+    within a chunk, and keeps an elementwise running max; one reduction over its rows gives
+    the column scales, and the second walk writes the transposed 128×1 copy. The walks are
+    runtime loops, not unrolled: unrolled, the compiler merges the second walk's loads with
+    the first's and holds every chunk's values again."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows, row_ok, in_r = _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M)
-    r64 = rows.to(tl.int64)
-    h_rows = h_ptr + r64[:, None] * stride_h
-    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
-    f0, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
+    end = tl.load(offsets_ptr + E - 1)
+    f0 = pid_n * BLOCK_N
     g0 = gate_cols(f0, I) if GATED else f0
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for c in range(BLOCK_N // CHUNK):
-        out, f, mask = _act_chunk(h_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok,
-                                  GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK)  # fmt: skip
+    cmax = tl.zeros((CHUNK, BLOCK_N), dtype=tl.float32)
+    for c in range(BLOCK_M // CHUNK):
+        rows, row_ok, in_r, r64, p = _chunk_rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, CHUNK,
+                                                 BLOCK_M)  # fmt: skip
+        out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F, I, row_ok, GATED, ACT,
+                                  LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N)  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        store_fp8_cols(out, rows, f, stored, off_m, qt_ptr, st_ptr, stride_qt, stride_st, POW2,
-                       BLOCK_M)  # fmt: skip
-        amax = tl.maximum(amax, row_amax(out, mask))
-    scale, inv = e4m3_scale(amax, POW2)
-    tl.store(s_ptr + r64 * stride_s + pid_n, scale, mask=in_r)
-    for c in range(BLOCK_N // CHUNK):
-        out, f, mask = _act_chunk(h_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok,
-                                  GATED, ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK)  # fmt: skip
-        tl.store(q_ptr + r64[:, None] * stride_q + f[None, :], e4m3_bytes(out, inv[:, None]),
-                 mask=in_r[:, None] & (f < F)[None, :])  # fmt: skip
+        _store_rows(q_ptr, s_ptr, out, rows, f, mask, stored, in_r, stride_q, stride_s, pid_n,
+                    POW2)  # fmt: skip
+        cmax = _col_max(cmax, out, mask)
+    scale, inv = e4m3_scale(tl.max(cmax, axis=0), POW2)
+    cols = f0 + tl.arange(0, BLOCK_N)
+    tl.store(st_ptr + pid_m * stride_st + cols, scale, mask=cols < F)
+    for c in range(BLOCK_M // CHUNK):
+        rows, row_ok, in_r, r64, p = _chunk_rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, CHUNK,
+                                                 BLOCK_M)  # fmt: skip
+        out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F, I, row_ok, GATED, ACT,
+                                  LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N)  # fmt: skip
+        _store_cols(qt_ptr, out, f, rows, in_r[:, None] & (f < F)[None, :], inv, stride_qt)
 
 
 @triton.jit
 def _act_bwd_chunk(
     h_rows, da_rows, p, f0, g0, F, I, row_ok, GATED: tl.constexpr, ACT: tl.constexpr,
     LIMIT: tl.constexpr, ALPHA: tl.constexpr, OFFSET: tl.constexpr, HAS_PROBS: tl.constexpr,
-    CHUNK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """(da · act(h), dg, du, f, gate columns, mask) of a chunk of activation columns, zeros
-    outside the mask (act(0) = 0 and its gradients too, for every activation)."""
-    f, g, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, CHUNK)
+    """(da · act(h), dg, du, f, gate columns, mask) of a chunk of rows, zeros outside the mask
+    (act(0) = 0 and its gradients too, for every activation)."""
+    f, g, mask, hg, hu = _load_h(h_rows, f0, g0, F, I, row_ok, GATED, BLOCK_N)
     da = tl.load(da_rows + f[None, :], mask=mask, other=0.0).to(tl.float32)
     d = da * p[:, None] if HAS_PROBS else da
     act, dg, du = act_bwd(hg, hu, d, ACT, LIMIT, ALPHA, OFFSET)
@@ -144,49 +177,48 @@ def _act_bwd_fp8_kernel(
 ):  # fmt: skip
     """dh = act'(h) · (da · probs) (gate and up columns of a gated h), quantized twice;
     part[pid_n, r] = Σ over the tile's columns of da · act(h). Zeros past offsets[E-1]. Two
-    walks over column chunks, as in ``_act_fp8_kernel``."""
+    walks over row chunks, as in ``_act_fp8_kernel``."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows, row_ok, in_r = _tile_rows(pid_m, R, E, offsets_ptr, BLOCK_M)
-    r64 = rows.to(tl.int64)
-    h_rows = h_ptr + r64[:, None] * stride_h
-    da_rows = da_ptr + r64[:, None] * stride_da
-    p = tl.load(probs_ptr + rows, mask=row_ok, other=0.0).to(tl.float32) if HAS_PROBS else 1.0
-    f0, off_m = pid_n * BLOCK_N, pid_m * BLOCK_M
+    end = tl.load(offsets_ptr + E - 1)
+    f0 = pid_n * BLOCK_N
     g0 = gate_cols(f0, I) if GATED else f0
-    g_amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    u_amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    part = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for c in range(BLOCK_N // CHUNK):
+    g_max = tl.zeros((CHUNK, BLOCK_N), dtype=tl.float32)
+    u_max = tl.zeros((CHUNK, BLOCK_N), dtype=tl.float32)
+    for c in range(BLOCK_M // CHUNK):
+        rows, row_ok, in_r, r64, p = _chunk_rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, CHUNK,
+                                                 BLOCK_M)  # fmt: skip
         dp, dg, du, f, g, mask = _act_bwd_chunk(
-            h_rows, da_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok, GATED, ACT,
-            LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK,
+            h_ptr + r64 * stride_h, da_ptr + r64 * stride_da, p, f0, g0, F, I, row_ok, GATED,
+            ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,
         )  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        part += tl.sum(dp, axis=1)
-        store_fp8_cols(dg, rows, g, stored, off_m, qt_ptr, st_ptr, stride_qt, stride_st, POW2,
-                       BLOCK_M)  # fmt: skip
-        g_amax = tl.maximum(g_amax, row_amax(dg, mask))
+        _store_rows(q_ptr, s_ptr, dg, rows, g, mask, stored, in_r, stride_q, stride_s,
+                    g0 // BLOCK_N, POW2)  # fmt: skip
+        g_max = _col_max(g_max, dg, mask)
         if GATED:
-            store_fp8_cols(du, rows, g + I, stored, off_m, qt_ptr, st_ptr, stride_qt,
-                           stride_st, POW2, BLOCK_M)  # fmt: skip
-            u_amax = tl.maximum(u_amax, row_amax(du, mask))
-    g_scale, g_inv = e4m3_scale(g_amax, POW2)
-    tl.store(s_ptr + r64 * stride_s + g0 // BLOCK_N, g_scale, mask=in_r)
-    u_scale, u_inv = e4m3_scale(u_amax, POW2)
+            _store_rows(q_ptr, s_ptr, du, rows, g + I, mask, stored, in_r, stride_q, stride_s,
+                        (g0 + I) // BLOCK_N, POW2)  # fmt: skip
+            u_max = _col_max(u_max, du, mask)
+        if HAS_PROBS:
+            tl.store(part_ptr + pid_n * stride_part + rows, tl.sum(dp, axis=1), mask=in_r)
+    g_scale, g_inv = e4m3_scale(tl.max(g_max, axis=0), POW2)
+    u_scale, u_inv = e4m3_scale(tl.max(u_max, axis=0), POW2)
+    cols = f0 + tl.arange(0, BLOCK_N)
+    gc = gate_cols(cols, I) if GATED else cols
+    tl.store(st_ptr + pid_m * stride_st + gc, g_scale, mask=cols < F)
     if GATED:
-        tl.store(s_ptr + r64 * stride_s + (g0 + I) // BLOCK_N, u_scale, mask=in_r)
-    for c in range(BLOCK_N // CHUNK):
+        tl.store(st_ptr + pid_m * stride_st + gc + I, u_scale, mask=cols < F)
+    for c in range(BLOCK_M // CHUNK):
+        rows, row_ok, in_r, r64, p = _chunk_rows(pid_m, c, R, end, probs_ptr, HAS_PROBS, CHUNK,
+                                                 BLOCK_M)  # fmt: skip
         dp, dg, du, f, g, mask = _act_bwd_chunk(
-            h_rows, da_rows, p, f0 + c * CHUNK, g0 + c * CHUNK, F, I, row_ok, GATED, ACT,
-            LIMIT, ALPHA, OFFSET, HAS_PROBS, CHUNK,
+            h_ptr + r64 * stride_h, da_ptr + r64 * stride_da, p, f0, g0, F, I, row_ok, GATED,
+            ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,
         )  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        q_rows = q_ptr + r64[:, None] * stride_q
-        tl.store(q_rows + g[None, :], e4m3_bytes(dg, g_inv[:, None]), mask=stored)
+        _store_cols(qt_ptr, dg, g, rows, stored, g_inv, stride_qt)
         if GATED:
-            tl.store(q_rows + (g + I)[None, :], e4m3_bytes(du, u_inv[:, None]), mask=stored)
-    if HAS_PROBS:
-        tl.store(part_ptr + pid_n * stride_part + rows, part, mask=in_r)
+            _store_cols(qt_ptr, du, g + I, rows, stored, u_inv, stride_qt)
 
 
 def _act_meta(act: Activation, interleave: int | None, F: int) -> dict:

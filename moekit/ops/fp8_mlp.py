@@ -34,7 +34,7 @@ from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op, refuse_double_backward
 from moekit.runtime.replay import replayed, tensor_key
 from moekit.runtime.state import memoized, warn_once
-from moekit.tuning.fp8 import ACT_TILE
+from moekit.tuning.fp8 import ACT_BWD_TILE, ACT_TILE
 
 __all__ = ["grouped_mlp_fp8"]
 
@@ -174,7 +174,7 @@ def _act_bwd(
 
     def body() -> None:
         act_kernels.act_bwd_fp8(h, da, probs, offsets, out, part, act, interleave or None, pow2,
-                                ACT_TILE)  # fmt: skip
+                                ACT_BWD_TILE)  # fmt: skip
         if part is not None:
             mlp_kernels.segment_colsum(part, None, dp.view(1, -1))
 

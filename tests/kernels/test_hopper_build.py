@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from moekit.kernels import fp8, fp8_mlp, grouped_gemm
-    from moekit.tuning.fp8 import ACT_TILE, rowwise_quantize_config
+    from moekit.tuning.fp8 import ACT_BWD_TILE, ACT_TILE, rowwise_quantize_config
     from moekit.tuning.grouped_gemm import FP8_ROWWISE_RAGGED_M as rw
 
     def build(fn, pointers, consts, **options):
@@ -87,12 +87,13 @@ SCRIPT = textwrap.dedent(
     act = dict(h_ptr="*bf16", da_ptr="*bf16", probs_ptr="*bf16", offsets_ptr="*i32",
                q_ptr="*u8", s_ptr=f32, qt_ptr="*u8", st_ptr=f32, part_ptr=f32)
     meta = dict(GATED=True, ACT=0, LIMIT=7.0, ALPHA=1.702, OFFSET=1.0, HAS_PROBS=True,
-                POW2=False, BLOCK_M=ACT_TILE.block_m, BLOCK_N=ACT_TILE.block_n,
-                CHUNK=ACT_TILE.chunk)
+                POW2=False)
+    tile = lambda cfg: dict(meta, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CHUNK=cfg.chunk)
     print("activation spills",
-          spill_bytes(fp8_mlp._act_fp8_kernel, act, dict(meta), num_warps=ACT_TILE.num_warps),
-          spill_bytes(fp8_mlp._act_bwd_fp8_kernel, act, dict(meta),
-                      num_warps=ACT_TILE.num_warps))
+          spill_bytes(fp8_mlp._act_fp8_kernel, act, tile(ACT_TILE),
+                      num_warps=ACT_TILE.num_warps),
+          spill_bytes(fp8_mlp._act_bwd_fp8_kernel, act, tile(ACT_BWD_TILE),
+                      num_warps=ACT_BWD_TILE.num_warps))
     """
 )
 
