@@ -148,3 +148,21 @@ def test_checkpoint_round_trip(mgpt, tmp_path):
         a = ours(*data[:3], labels=data[3]).mean()
         b = seq(*data[:3], labels=data[3]).mean()
     assert rel(a, b) < 1e-4
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_fused_permute_and_router_match_sequential(mgpt, dispatcher):
+    """moekit_fusions: Megatron's fused permute, unpermute, chunk sort and router run moekit's
+    ops inside its own dispatcher and router (built inside the block); the fp32 step equals
+    the unfused SequentialMLP model's."""
+    from moekit.integrations.megatron import moekit_fusions
+
+    cfg = mgpt.gpt_config("tiny", 2, torch.float32, dispatcher=dispatcher)
+    ref = mgpt.build_gpt(cfg, "sequential", VOCAB, SEQ)
+    data = mgpt.batch(cfg, VOCAB, BATCH, SEQ)
+    want = step(ref, data)
+    fused_cfg = mgpt.gpt_config("tiny", 2, torch.float32, dispatcher=dispatcher)
+    with moekit_fusions(fused_cfg):
+        ours = mgpt.build_gpt(fused_cfg, "moekit", VOCAB, SEQ, ref.state_dict())
+        got = step(ours, data)
+    assert worst(got, want) < 5e-3

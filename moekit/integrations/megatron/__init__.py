@@ -7,6 +7,10 @@ MoELayer, without TransformerEngine, on Megatron's own parallelism (needs
 
     spec = with_moekit_experts(get_gpt_layer_local_spec(num_experts=64, moe_grouped_gemm=True))
     model = GPTModel(config, transformer_layer_spec=spec, ...)
+
+    with moekit_fusions(config):  # Megatron's fused permute and router, by moekit (opt-in)
+        model = GPTModel(config, transformer_layer_spec=spec, ...)
+        train(model)
 """
 
 try:
@@ -18,6 +22,13 @@ except ImportError as exc:  # pragma: no cover - the extra is not installed
 
 from moekit.integrations.megatron.checkpoint import grouped_to_sequential, sequential_to_grouped
 from moekit.integrations.megatron.experts import MoekitExperts
+from moekit.integrations.megatron.fusions import moekit_fusions
 from moekit.integrations.megatron.spec import with_moekit_experts
 
-__all__ = ["MoekitExperts", "grouped_to_sequential", "sequential_to_grouped", "with_moekit_experts"]
+__all__ = [
+    "MoekitExperts",
+    "grouped_to_sequential",
+    "moekit_fusions",
+    "sequential_to_grouped",
+    "with_moekit_experts",
+]
