@@ -11,6 +11,10 @@ first, then the quantization with the row's scale. Per whole column (``"col"``) 
 kernel on the transposed views. A program's rows are kept short enough (the config) that the
 second read finds them in L2.
 
+Two ways (``quantize_fp8_two_ways``): one read of a [M, K] tensor writes both its 1×128 copy
+and its 128×1 copy stored transposed (an output gradient's dgrad and wgrad operands), each
+128×128 tile walked in chunks of whole rows as the FP8 MLP's activation kernels do.
+
 Rounding to e4m3 is done in fp32 arithmetic first (round to nearest even at the value's e4m3
 spacing), so the conversion itself only meets representable values: Triton's CPU interpreter
 loses the carry when a conversion rounds up into the next binade, and exact values sidestep
@@ -24,14 +28,18 @@ import triton
 import triton.language as tl
 
 from moekit.runtime.replay import launch
-from moekit.tuning.fp8 import QuantizeConfig
+from moekit.tuning.fp8 import QuantizeConfig, TileWalkConfig
 
 __all__ = [
+    "col_amax_step",
     "e4m3_bytes",
     "e4m3_scale",
     "quantize_fp8",
     "quantize_fp8_rowwise",
+    "quantize_fp8_two_ways",
     "row_amax",
+    "store_fp8_cols",
+    "store_fp8_rows",
 ]
 
 
@@ -90,6 +98,32 @@ def e4m3_bytes(x, inv):
 def row_amax(v, mask):
     """max |v| over each row of the [BM, C] tile, NaN and entries outside ``mask`` left out."""
     return tl.max(tl.where(mask & (v == v), tl.abs(v), 0.0), axis=1)
+
+
+@triton.jit
+def store_fp8_rows(q_ptr, s_ptr, v, rows, cols, mask, stored, in_r, stride_q, stride_s, block,
+                POW2: tl.constexpr):  # fmt: skip
+    """The 1×128 quantization of the chunk ``v`` (zero outside ``mask``): the scales of the
+    rows ``in_r`` into column ``block`` of s, the bytes where ``stored``."""
+    scale, inv = e4m3_scale(row_amax(v, mask), POW2)
+    tl.store(s_ptr + rows.to(tl.int64) * stride_s + block, scale, mask=in_r)
+    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+             e4m3_bytes(v, inv[:, None]), mask=stored)  # fmt: skip
+
+
+@triton.jit
+def col_amax_step(cmax, v, mask):
+    """The elementwise running max |v| of the chunks (NaN and entries outside ``mask`` left
+    out); one reduction over its rows after the walk gives the columns' amax."""
+    return tl.maximum(cmax, tl.where(mask & (v == v), tl.abs(v), 0.0))
+
+
+@triton.jit
+def store_fp8_cols(qt_ptr, v, cols, rows, mask, inv, stride_qt):
+    """The chunk ``v``'s bytes at the columns' inverse scales ``inv``, transposed: qt[cols,
+    rows], the tokens contiguous."""
+    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None],
+             e4m3_bytes(v, inv[None, :]), mask=mask)  # fmt: skip
 
 
 @triton.jit
@@ -215,4 +249,58 @@ def quantize_fp8_rowwise(
         _quantize_fp8_rowwise_kernel, grid, x, data, scale, M, K, *x.stride(), *data.stride(),
         scale.stride(0), scale.stride(1), BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, POW2=pow2,
         num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+@triton.jit
+def _quantize_fp8_two_ways_kernel(
+    x_ptr,  # in: x [M, K]
+    q_ptr, s_ptr, qt_ptr, st_ptr,  # out: q [M, K] u8 + s [M, K/128]; qt [K, M] u8 + st [M/128, K]
+    M, K,  # sizes
+    stride_x_m, stride_x_k, stride_q, stride_s, stride_qt, stride_st,  # strides (elements)
+    POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+):  # fmt: skip
+    """x quantized 1×BLOCK_K (q, s) and BLOCK_M×1 stored transposed (qt, st) from one read of
+    each [BLOCK_M, BLOCK_K] tile, walked twice in chunks of CHUNK whole rows: the first walk
+    writes the row copy (its scales lie within a chunk) and keeps a running max per element,
+    reduced once to the column scales; the second writes the transposed copy. Entries past M
+    or K are zeros and are not stored."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    col_in = cols < K
+    cmax = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
+    for c in range(BLOCK_M // CHUNK):
+        rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
+        mask = (rows < M)[:, None] & col_in[None, :]
+        xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m + cols[None, :] * stride_x_k
+        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        store_fp8_rows(q_ptr, s_ptr, x, rows, cols, mask, mask, rows < M, stride_q, stride_s,
+                       pid_k, POW2)  # fmt: skip
+        cmax = col_amax_step(cmax, x, mask)
+    scale, inv = e4m3_scale(tl.max(cmax, axis=0), POW2)
+    tl.store(st_ptr + pid_m * stride_st + cols, scale, mask=col_in)
+    for c in range(BLOCK_M // CHUNK):
+        rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
+        mask = (rows < M)[:, None] & col_in[None, :]
+        xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m + cols[None, :] * stride_x_k
+        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        store_fp8_cols(qt_ptr, x, cols, rows, mask, inv, stride_qt)
+
+
+def quantize_fp8_two_ways(
+    x: torch.Tensor,  # [M, K] bf16 / fp16 / fp32, any strides
+    q: torch.Tensor,  # [M, K] uint8 view of the row copy's e4m3 bytes
+    s: torch.Tensor,  # [M, ⌈K/128⌉] fp32
+    qt: torch.Tensor,  # [K, M] uint8 view of the transposed copy's bytes
+    st: torch.Tensor,  # [⌈M/128⌉, K] fp32
+    pow2: bool,
+    cfg: TileWalkConfig,
+) -> None:
+    """Launch x's 1×128 and 128×1 (transposed) quantizations in one pass."""
+    M, K = x.shape
+    grid = (triton.cdiv(M, cfg.block_m), triton.cdiv(K, cfg.block_n))
+    launch(
+        _quantize_fp8_two_ways_kernel, grid, x, q, s, qt, st, M, K, *x.stride(), q.stride(0),
+        s.stride(0), qt.stride(0), st.stride(0), POW2=pow2, BLOCK_M=cfg.block_m,
+        BLOCK_K=cfg.block_n, CHUNK=cfg.chunk, num_warps=cfg.num_warps,
     )  # fmt: skip

@@ -24,10 +24,15 @@ import triton
 import triton.language as tl
 
 from moekit.activations import Activation
-from moekit.kernels.fp8 import e4m3_bytes, e4m3_scale, row_amax
+from moekit.kernels.fp8 import (
+    col_amax_step,
+    e4m3_scale,
+    store_fp8_cols,
+    store_fp8_rows,
+)
 from moekit.kernels.grouped_mlp import ACT_CODES, act_bwd, act_fwd, gate_cols
 from moekit.runtime.replay import launch
-from moekit.tuning.fp8 import ActTileConfig
+from moekit.tuning.fp8 import TileWalkConfig
 
 __all__ = ["Fp8Out", "act_bwd_fp8", "act_fp8"]
 
@@ -82,32 +87,6 @@ def _act_chunk(
 
 
 @triton.jit
-def _store_rows(q_ptr, s_ptr, v, rows, cols, mask, stored, in_r, stride_q, stride_s, block,
-                POW2: tl.constexpr):  # fmt: skip
-    """The 1×128 quantization of the chunk ``v`` (zero outside ``mask``): the scales of the
-    rows ``in_r`` into column ``block`` of s, the bytes where ``stored``."""
-    scale, inv = e4m3_scale(row_amax(v, mask), POW2)
-    tl.store(s_ptr + rows.to(tl.int64) * stride_s + block, scale, mask=in_r)
-    tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
-             e4m3_bytes(v, inv[:, None]), mask=stored)  # fmt: skip
-
-
-@triton.jit
-def _col_max(cmax, v, mask):
-    """The elementwise running max |v| of the chunks (NaN and entries outside ``mask`` left
-    out); one reduction over its rows after the walk gives the columns' amax."""
-    return tl.maximum(cmax, tl.where(mask & (v == v), tl.abs(v), 0.0))
-
-
-@triton.jit
-def _store_cols(qt_ptr, v, cols, rows, mask, inv, stride_qt):
-    """The chunk ``v``'s bytes at the columns' inverse scales ``inv``, transposed: qt[cols,
-    rows], the tokens contiguous."""
-    tl.store(qt_ptr + cols.to(tl.int64)[None, :] * stride_qt + rows[:, None],
-             e4m3_bytes(v, inv[None, :]), mask=mask)  # fmt: skip
-
-
-@triton.jit
 def _act_fp8_kernel(
     h_ptr, probs_ptr, offsets_ptr,  # in: h [R, W1], probs [R] (HAS_PROBS), offsets [E]
     q_ptr, s_ptr, qt_ptr, st_ptr,  # out: a as Fp8Out (C = F)
@@ -135,9 +114,9 @@ def _act_fp8_kernel(
         out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F, I, row_ok, GATED, ACT,
                                   LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N)  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        _store_rows(q_ptr, s_ptr, out, rows, f, mask, stored, in_r, stride_q, stride_s, pid_n,
+        store_fp8_rows(q_ptr, s_ptr, out, rows, f, mask, stored, in_r, stride_q, stride_s, pid_n,
                     POW2)  # fmt: skip
-        cmax = _col_max(cmax, out, mask)
+        cmax = col_amax_step(cmax, out, mask)
     scale, inv = e4m3_scale(tl.max(cmax, axis=0), POW2)
     cols = f0 + tl.arange(0, BLOCK_N)
     tl.store(st_ptr + pid_m * stride_st + cols, scale, mask=cols < F)
@@ -146,7 +125,7 @@ def _act_fp8_kernel(
                                                  BLOCK_M)  # fmt: skip
         out, f, mask = _act_chunk(h_ptr + r64 * stride_h, p, f0, g0, F, I, row_ok, GATED, ACT,
                                   LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N)  # fmt: skip
-        _store_cols(qt_ptr, out, f, rows, in_r[:, None] & (f < F)[None, :], inv, stride_qt)
+        store_fp8_cols(qt_ptr, out, f, rows, in_r[:, None] & (f < F)[None, :], inv, stride_qt)
 
 
 @triton.jit
@@ -192,13 +171,13 @@ def _act_bwd_fp8_kernel(
             ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,
         )  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        _store_rows(q_ptr, s_ptr, dg, rows, g, mask, stored, in_r, stride_q, stride_s,
+        store_fp8_rows(q_ptr, s_ptr, dg, rows, g, mask, stored, in_r, stride_q, stride_s,
                     g0 // BLOCK_N, POW2)  # fmt: skip
-        g_max = _col_max(g_max, dg, mask)
+        g_max = col_amax_step(g_max, dg, mask)
         if GATED:
-            _store_rows(q_ptr, s_ptr, du, rows, g + I, mask, stored, in_r, stride_q, stride_s,
+            store_fp8_rows(q_ptr, s_ptr, du, rows, g + I, mask, stored, in_r, stride_q, stride_s,
                         (g0 + I) // BLOCK_N, POW2)  # fmt: skip
-            u_max = _col_max(u_max, du, mask)
+            u_max = col_amax_step(u_max, du, mask)
         if HAS_PROBS:
             tl.store(part_ptr + pid_n * stride_part + rows, tl.sum(dp, axis=1), mask=in_r)
     g_scale, g_inv = e4m3_scale(tl.max(g_max, axis=0), POW2)
@@ -216,9 +195,9 @@ def _act_bwd_fp8_kernel(
             ACT, LIMIT, ALPHA, OFFSET, HAS_PROBS, BLOCK_N,
         )  # fmt: skip
         stored = in_r[:, None] & (f < F)[None, :]
-        _store_cols(qt_ptr, dg, g, rows, stored, g_inv, stride_qt)
+        store_fp8_cols(qt_ptr, dg, g, rows, stored, g_inv, stride_qt)
         if GATED:
-            _store_cols(qt_ptr, du, g + I, rows, stored, u_inv, stride_qt)
+            store_fp8_cols(qt_ptr, du, g + I, rows, stored, u_inv, stride_qt)
 
 
 def _act_meta(act: Activation, interleave: int | None, F: int) -> dict:
@@ -236,7 +215,7 @@ def act_fp8(
     act: Activation,
     interleave: int | None,
     pow2: bool,
-    cfg: ActTileConfig,
+    cfg: TileWalkConfig,
 ) -> None:
     """a = act(h) · probs, written quantized into ``out`` (see the module docstring)."""
     R, F = out.q.shape
@@ -262,7 +241,7 @@ def act_bwd_fp8(
     act: Activation,
     interleave: int | None,
     pow2: bool,
-    cfg: ActTileConfig,
+    cfg: TileWalkConfig,
 ) -> None:
     """dh = act'(h) · (da · probs) quantized into ``out``; dprobs partials into ``part``."""
     R, F = da.shape

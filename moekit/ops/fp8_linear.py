@@ -25,7 +25,13 @@ from collections.abc import Callable
 import torch
 
 from moekit.ops.fp8_gemm import grouped_mm_fp8, grouped_mm_fp8_wgrad
-from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, requantize_fp8
+from moekit.ops.quantize import (
+    Fp8Recipe,
+    Fp8Tensor,
+    quantize_fp8,
+    quantize_fp8_two_ways,
+    requantize_fp8,
+)
 from moekit.runtime.op import refuse_double_backward
 from moekit.runtime.state import STATE
 
@@ -105,11 +111,15 @@ class _GroupedLinearFp8Fn(torch.autograd.Function):
         (offsets,) = ctx.saved_tensors
         dx = dw = None
         dy = dy.detach()
+        dyq = dyt = None
+        if all(ctx.needs_input_grad[:2]) and ctx.recipe.row_block == 128:  # one read of dy
+            dyq = quantize_fp8_two_ways(dy, pow2_scale=ctx.recipe.pow2_scale)
+            dyt = dyq.col
         if ctx.needs_input_grad[0]:
-            dyq = _quantize_rows(dy, ctx.recipe)
+            dyq = dyq if dyq is not None else _quantize_rows(dy, ctx.recipe)
             dx = grouped_mm_fp8(dyq, ctx.wq_dgrad, offsets, out_dtype=ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dyt = _quantize_tokens(dy, ctx.recipe)
+            dyt = dyt if dyt is not None else _quantize_tokens(dy, ctx.recipe)
             xt = ctx.xt()
             main_grad = getattr(ctx.w, "main_grad", None)
             if main_grad is not None:

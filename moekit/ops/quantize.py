@@ -34,7 +34,7 @@ from moekit.reference.fp8 import dequantize_fp8_ref, quantize_fp8_ref, scale_sha
 from moekit.runtime.device import use_triton
 from moekit.runtime.op import kernel_op
 from moekit.runtime.replay import replayed, tensor_key
-from moekit.tuning.fp8 import quantize_config, rowwise_quantize_config
+from moekit.tuning.fp8 import TWO_WAY_TILE, quantize_config, rowwise_quantize_config
 
 __all__ = [
     "AXES",
@@ -43,6 +43,7 @@ __all__ = [
     "Fp8Recipe",
     "Fp8Tensor",
     "quantize_fp8",
+    "quantize_fp8_two_ways",
     "requantize_fp8",
     "stand_in",
 ]
@@ -219,6 +220,51 @@ def _quantize(
     elif scale.numel():  # rowwise, over empty rows or columns: the scale of a zero block
         scale.fill_(1.0)
     return data, scale
+
+
+def _two_ways_fake(x, pow2_scale):
+    M, K = x.shape
+    e4m3, f32 = dict(dtype=torch.float8_e4m3fn), dict(dtype=torch.float32)
+    s_row, s_col = scale_shape((M, K), "row", 128), scale_shape((M, K), "col", 128)
+    return (x.new_empty(M, K, **e4m3), x.new_empty(s_row, **f32), x.new_empty(K, M, **e4m3),
+            x.new_empty(s_col, **f32))  # fmt: skip
+
+
+@kernel_op("quantize_fp8_two_ways", fake=_two_ways_fake)
+def _quantize_two_ways(
+    x: torch.Tensor, pow2_scale: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data [M, K], scale, dataT [K, M], scaleT) of x [M, K] quantized 1×128 and 128×1."""
+    if not use_triton(x):
+        q, s = quantize_fp8_ref(x, "row", 128, pow2_scale)
+        qt, st = quantize_fp8_ref(x, "col", 128, pow2_scale)
+        return q, s, qt.t().contiguous(), st
+    outs = _two_ways_fake(x, pow2_scale)
+    q, s, qt, st = outs
+    key = ("quantize_fp8_two_ways", pow2_scale, tensor_key(x)) if x.is_cuda else None
+    if x.numel():
+        u8 = torch.uint8
+        run = lambda: kernels.quantize_fp8_two_ways(
+            x, q.view(u8), s, qt.view(u8), st, pow2_scale, TWO_WAY_TILE)  # fmt: skip
+        replayed(key, (x, *outs), run)
+    return outs
+
+
+def quantize_fp8_two_ways(x: torch.Tensor, *, pow2_scale: bool = False) -> Fp8Tensor:
+    """``quantize_fp8(x)`` (1×128 blocks) whose ``.col`` is ``quantize_fp8(x, axis="col",
+    transpose=True)`` (128×1 blocks, stored [K, M]), both from one read of x [M, K] and the
+    same bytes: an output gradient's dgrad and weight-gradient operands. Not differentiable
+    (no anchor): for backward passes."""
+    x = check_tensor("x", x)
+    check_dtype("x", x, FLOAT_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"x must be [M, K], got shape {tuple(x.shape)}")
+    if not isinstance(pow2_scale, bool):
+        raise TypeError(f"pow2_scale must be a bool, got {type(pow2_scale).__name__}")
+    check_fp8_device("x", x)
+    q, s, qt, st = _quantize_two_ways(x.detach(), pow2_scale)
+    col = Fp8Tensor(qt, st, "col", 128, transposed=True, source=x.detach())
+    return Fp8Tensor(q, s, "row", 128, source=x.detach(), col=col)
 
 
 class _QuantizeFn(torch.autograd.Function):

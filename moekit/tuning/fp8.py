@@ -18,8 +18,9 @@ from moekit.runtime.intmath import next_power_of_2
 __all__ = [
     "ACT_BWD_TILE",
     "ACT_TILE",
-    "ActTileConfig",
+    "TWO_WAY_TILE",
     "QuantizeConfig",
+    "TileWalkConfig",
     "quantize_config",
     "rowwise_quantize_config",
 ]
@@ -61,15 +62,16 @@ def rowwise_quantize_config(axis: str, length: int) -> QuantizeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ActTileConfig:
-    """The tile of the FP8 MLP's activation kernels: a 128-row token block by one 128-column
-    block (both quantizations of the tile come from one program), walked ``chunk`` whole rows
-    at a time. A whole [128, 128] tile of the backward's three fp32 inputs and two outputs
-    held at once spills registers (ptxas for sm_90: 8.7 KB of spill stores at 8 warps); these
-    chunks spill none. Of chunks of 16–64 rows at 4–16 warps (one H200, the Qwen3 and the
-    Mixtral shape), 16 rows at 4 warps was the fastest forward; the backward (three fp32
-    inputs, two outputs) takes 8 warps, within 11% of its fastest config, which spills (32
-    bytes at 4 warps, 232 with 32 rows)."""
+class TileWalkConfig:
+    """The tile of the kernels that write a tensor quantized both ways (1×128, and 128×1 along
+    the tokens) from one read: the FP8 MLP's activation kernels and the two-way quantization.
+    A 128-row token block by one 128-column block per program, walked ``chunk`` whole rows at
+    a time. A whole [128, 128] tile of the activation backward's three fp32 inputs and two
+    outputs held at once spills registers (ptxas for sm_90: 8.7 KB of spill stores at 8
+    warps); these chunks spill none. Of chunks of 16–64 rows at 4–16 warps (one H200, the
+    Qwen3 and the Mixtral shape), 16 rows at 4 warps was the fastest activation forward; the
+    backward takes 8 warps, within 11% of its fastest config, which spills (32 bytes at 4
+    warps, 232 with 32 rows)."""
 
     block_m: int = 128
     block_n: int = 128
@@ -77,5 +79,6 @@ class ActTileConfig:
     num_warps: int = 4
 
 
-ACT_TILE = ActTileConfig()
-ACT_BWD_TILE = ActTileConfig(num_warps=8)
+ACT_TILE = TileWalkConfig()
+ACT_BWD_TILE = TileWalkConfig(num_warps=8)
+TWO_WAY_TILE = TileWalkConfig()  # one input, the forward activation kernel's load

@@ -24,7 +24,7 @@ SCRIPT = textwrap.dedent(
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from moekit.kernels import fp8, fp8_mlp, grouped_gemm
-    from moekit.tuning.fp8 import ACT_BWD_TILE, ACT_TILE, rowwise_quantize_config
+    from moekit.tuning.fp8 import ACT_BWD_TILE, ACT_TILE, TWO_WAY_TILE, rowwise_quantize_config
     from moekit.tuning.grouped_gemm import FP8_ROWWISE_RAGGED_M as rw
 
     def build(fn, pointers, consts, **options):
@@ -83,6 +83,11 @@ SCRIPT = textwrap.dedent(
     cfg = rowwise_quantize_config("row", 7168)  # one: the configs differ in tile sides only
     build(fp8._quantize_fp8_rowwise_kernel, quant, dict(BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
           POW2=True), num_warps=cfg.num_warps)
+    two_ways = dict(x_ptr="*bf16", q_ptr="*u8", s_ptr=f32, qt_ptr="*u8", st_ptr=f32)
+    tw = dict(POW2=False, BLOCK_M=TWO_WAY_TILE.block_m, BLOCK_K=TWO_WAY_TILE.block_n,
+              CHUNK=TWO_WAY_TILE.chunk)
+    assert spill_bytes(fp8._quantize_fp8_two_ways_kernel, two_ways, tw,
+                       num_warps=TWO_WAY_TILE.num_warps) == 0
     print("quantize ok")
     act = dict(h_ptr="*bf16", da_ptr="*bf16", probs_ptr="*bf16", offsets_ptr="*i32",
                q_ptr="*u8", s_ptr=f32, qt_ptr="*u8", st_ptr=f32, part_ptr=f32)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moekit.config import interpret_mode
-from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8
+from moekit.ops.quantize import Fp8Recipe, Fp8Tensor, quantize_fp8, quantize_fp8_two_ways
 from moekit.reference.fp8 import quantize_fp8_ref, round_e4m3, scale_shape
 from tests._cuda_step import sync_free_capture
 
@@ -277,3 +277,55 @@ def test_kernel_bytes_for_every_e4m3_value_and_midpoint():
 @pytest.mark.gpu
 def test_gpu_kernel_bytes_for_every_e4m3_value_and_midpoint():
     _every_e4m3_value("cuda")
+
+
+def _check_two_ways(x: torch.Tensor, pow2: bool) -> None:
+    """quantize_fp8_two_ways: the row copy and its .col equal quantize_fp8's two calls, bit for
+    bit (the reference's on CPU)."""
+    q = quantize_fp8_two_ways(x, pow2_scale=pow2)
+    row = quantize_fp8(x, pow2_scale=pow2)
+    col = quantize_fp8(x, axis="col", transpose=True, pow2_scale=pow2)
+    assert q.axis == "row" and q.block == 128 and q.col.axis == "col" and q.col.transposed
+    assert q.data.shape == x.shape and q.col.data.shape == (x.shape[1], x.shape[0])
+    for got, want in ((q.data, row.data), (q.scale, row.scale), (q.col.data, col.data),
+                      (q.col.scale, col.scale)):  # fmt: skip
+        assert got.shape == want.shape and _same(got, want)
+
+
+@interp
+@pytest.mark.parametrize("pow2", [False, True])
+# whole tiles; M and K partial; one row; one column; a zero block; non-contiguous
+@pytest.mark.parametrize("shape", [(256, 256), (200, 300), (1, 130), (129, 1), (0, 128)])
+def test_two_ways_equals_the_two_quantizations(shape, pow2):
+    torch.manual_seed(1)
+    x = torch.randn(*shape) * 10
+    if x.numel():
+        x[:, :1] = 0.0
+    _check_two_ways(x, pow2)
+    _check_two_ways(torch.randn(shape[1], shape[0]).t() * 3, pow2)
+
+
+def test_two_ways_bad_input():
+    with pytest.raises(ValueError, match=r"x must be \[M, K\], got shape \(2, 3, 4\)"):
+        quantize_fp8_two_ways(torch.randn(2, 3, 4))
+    with pytest.raises(TypeError, match="pow2_scale must be a bool, got int"):
+        quantize_fp8_two_ways(torch.randn(4, 4), pow2_scale=1)
+    with pytest.raises(TypeError, match="x must have dtype in .*, got int32"):
+        quantize_fp8_two_ways(torch.randn(4, 4).to(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pow2", [False, True])
+def test_gpu_two_ways_equals_the_two_quantizations(pow2):
+    torch.manual_seed(0)
+    for shape in [(131072, 2048), (200, 300), (1, 130), (16384, 4096)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            x = (torch.randn(*shape, device="cuda") * 10).to(dtype)
+            x.view(-1)[0] = float("nan")
+            _check_two_ways(x, pow2)
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    want = quantize_fp8_two_ways(x)
+    graph, got = sync_free_capture(lambda: quantize_fp8_two_ways(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _same(got.data, want.data) and _same(got.col.data, want.col.data)
