@@ -310,7 +310,7 @@ def test_two_ways_bad_input():
         quantize_fp8_two_ways(torch.randn(2, 3, 4))
     with pytest.raises(TypeError, match="pow2_scale must be a bool, got int"):
         quantize_fp8_two_ways(torch.randn(4, 4), pow2_scale=1)
-    with pytest.raises(TypeError, match="x must have dtype in .*, got int32"):
+    with pytest.raises(TypeError, match=r"x must have dtype in .*, got int32"):
         quantize_fp8_two_ways(torch.randn(4, 4).to(torch.int32))
 
 
