@@ -76,8 +76,7 @@ def time_us(fn, mode: str, iters: int, calls: int) -> float:
 COLUMNS = [
     "T", "H", "MB", *((m, f"{m}_graph_us") for m in BASELINES + OURS), "auto/a", "auto/best",
     ("busbw", "busbw_GBps"), ("eager a", "nccl+torch_eager_us"), ("eager auto", "auto_eager_us"),
-    ("g1 a", "nccl+torch_graph1_us"), ("g1 auto", "auto_graph1_us"), "x eager",
-]  # fmt: skip
+    ("g1 a", "nccl+torch_graph1_us"), ("g1 auto", "auto_graph1_us"), "x eager"]  # fmt: skip
 
 
 def suggest_thresholds(rows: list[dict], world: int) -> str:

@@ -3,18 +3,10 @@ and torch.
 
     python benchmarks/benchmark_fp8.py --out bench_out [--smoke]
 
-Quantization, per tensor of an MoE layer, bf16 in: blockwise (activations and output gradients
-1×128 along the hidden size, the wgrad operands 128×1 along the tokens, the experts' weights
-128×128) and rowwise (activations one scale per row; the weights per output channel, and per
-input channel for the dgrad, stored transposed). moekit's ``quantize_fp8`` and the same math in
-eager torch, in GB/s of the bytes that must move (read x, write the e4m3 data and the scales)
-against this run's device copy rate.
-
-Grouped GEMM, ragged M (fc1 of each layer, uniform routing over 128-row segments), TFLOP/s:
-moekit's FP8 ``grouped_mm_fp8`` blockwise and rowwise, moekit's bf16 ``grouped_mm``, torch's
-rowwise FP8 ``torch._scaled_grouped_mm`` on the same rowwise operands (``rowwise_vs_torch``: the
-two outputs' relative difference); the ceiling is dense FP8 rowwise ``torch._scaled_mm`` at
-8192³. do_bench medians throughout.
+Quantization of an MoE layer's bf16 tensors, blockwise (1×128, 128×1 for wgrad, 128×128
+weights) and rowwise: moekit against the same math in eager torch, GB/s moved against the copy
+rate. Grouped GEMM (each layer's fc1), TFLOP/s: FP8 blockwise and rowwise, bf16, and torch's
+rowwise ``_scaled_grouped_mm``; ceiling: dense FP8 ``_scaled_mm`` at 8192³. do_bench medians.
 """
 
 from __future__ import annotations
@@ -42,13 +34,11 @@ SHAPES = {
     "qwen3 w1 dgrad [128, 2048, 1536] rowwise": ((128, 1536, 2048), "col", None, True),
     "dsv3 x [32768, 7168] rowwise": ((32768, 7168), "row", None, False),
     "mixtral w1 dgrad [8, 4096, 28672] rowwise": ((8, 28672, 4096), "col", None, True),
-    "mixtral dy [16384, 28672] rowwise": ((16384, 28672), "row", None, False),
-}
+    "mixtral dy [16384, 28672] rowwise": ((16384, 28672), "row", None, False)}  # fmt: skip
 SMOKE_SHAPES = {
     "smoke row": ((96, 160), "row", 128, False), "smoke both": ((2, 96, 160), "both", 128, False),
     "smoke rowwise": ((96, 160), "row", None, False),
-    "smoke rowwise dgrad": ((2, 96, 160), "col", None, True),
-}  # fmt: skip
+    "smoke rowwise dgrad": ((2, 96, 160), "col", None, True)}  # fmt: skip
 GEMM_SHAPES = {  # name: (rows, E, K, N)
     "qwen3_30b_a3b fc1": (65536, 128, 2048, 1536), "olmoe fc1": (32768, 64, 2048, 2048),
     "deepseek_v3_ep8 fc1": (32768, 32, 7168, 4096), "mixtral fc1": (16384, 8, 4096, 28672),
@@ -72,7 +62,7 @@ def run_shape(name: str, spec: tuple, cuda: bool, device, copy_gbs: float) -> di
     if not (same and got.scale.cpu().equal(scale)):  # the oracle: the reference on the CPU
         raise AssertionError(f"{name}: moekit differs from the reference")
     res = {"shape": name, "axis": axis, "block": block or "rowwise"}
-    bc.measure(fns, {"us": lambda f: bc.eager_timer(cuda, warmup=10, rep=50)(f) * 1e3}, 1, res)
+    bc.measure(fns, {"us": bc.eager_timer(cuda, warmup=10, rep=50, unit=1e3)}, 1, res)
     nbytes = x.numel() * (x.element_size() + 1) + 4 * math.prod(scale_shape(x.shape, axis, block))
     for c in fns:
         res[f"{c}_gbs"] = nbytes / res[f"{c}_us"] / 1e3
@@ -94,9 +84,8 @@ def run_gemm(name: str, spec: tuple, cuda: bool, device, dense_tflops: float) ->
     res = {"shape": name, "T": T, "E": E, "K": K, "N": N, "dense_fp8_tflops": dense_tflops}
     if cuda:  # torch's rowwise FP8 grouped GEMM on the same operands and scales
         sx, sw = xr.scale.view(T), wr.scale.view(E, N)
-        fns["torch_fp8"] = lambda: torch._scaled_grouped_mm(
-            xr.data, wr.data.transpose(1, 2), sx, sw, offs=offsets, out_dtype=torch.bfloat16
-        )
+        fns["torch_fp8"] = partial(torch._scaled_grouped_mm, xr.data, wr.data.transpose(1, 2),
+                                   sx, sw, offs=offsets, out_dtype=torch.bfloat16)  # fmt: skip
         ours, theirs = fns["rowwise"]().float(), fns["torch_fp8"]().float()
         res["rowwise_vs_torch"] = ((ours - theirs).norm() / theirs.norm()).item()
     bc.measure(fns, {"ms": bc.eager_timer(cuda)}, 1, res, warm=True)
@@ -105,8 +94,7 @@ def run_gemm(name: str, spec: tuple, cuda: bool, device, dense_tflops: float) ->
     return bc.ratios(res, "ms", {
         "x_bf16": ("bf16", "fp8"), "x_torch_fp8": ("torch_fp8", "fp8"),
         "rowwise_x_bf16": ("bf16", "rowwise"), "rowwise_x_torch_fp8": ("torch_fp8", "rowwise"),
-        "rowwise_x_blockwise": ("fp8", "rowwise"),
-    })  # fmt: skip
+        "rowwise_x_blockwise": ("fp8", "rowwise")})  # fmt: skip
 
 
 def dense_fp8_tflops(n: int = 8192) -> float:
@@ -122,13 +110,11 @@ GEMM_COLUMNS = [
     "shape", ("blockwise TF/s", "fp8_tflops"), ("rowwise TF/s", "rowwise_tflops"),
     ("bf16 TF/s", "bf16_tflops"), ("torch rowwise TF/s", "torch_fp8_tflops"),
     ("blockwise × bf16", "x_bf16"), ("rowwise × bf16", "rowwise_x_bf16"),
-    ("rowwise × torch", "rowwise_x_torch_fp8"), ("dense fp8 TF/s", "dense_fp8_tflops"),
-]  # fmt: skip
+    ("rowwise × torch", "rowwise_x_torch_fp8"), ("dense fp8 TF/s", "dense_fp8_tflops")]  # fmt: skip
 
 COLUMNS = [
     "shape", ("block", "block"), ("moekit µs", "moekit_us"), ("torch µs", "torch_us"), ("× torch", "speedup_vs_torch"),
-    ("moekit GB/s", "moekit_gbs"), ("copy GB/s", "copy_gbs"), ("of copy", "of_copy"),
-]  # fmt: skip
+    ("moekit GB/s", "moekit_gbs"), ("copy GB/s", "copy_gbs"), ("of copy", "of_copy")]  # fmt: skip
 
 
 def main() -> None:
@@ -137,14 +123,12 @@ def main() -> None:
     device = "cuda" if cuda else "cpu"
     copy_gbs = bc.copy_gb_per_s(device) if cuda else math.nan
     bc.log(f"device copy: {copy_gbs:.0f} GB/s")
-    shapes = (SMOKE_SHAPES if args.smoke else SHAPES).items()
-    rows, _, failed = bc.run_cases((n, partial(run_shape, n, s, cuda, device, copy_gbs))
-                                   for n, s in shapes)  # fmt: skip
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows, _, failed = bc.run_cases(bc.per_shape(run_shape, shapes, cuda, device, copy_gbs))
     dense = dense_fp8_tflops() if cuda else math.nan
     bc.log(f"dense FP8 rowwise _scaled_mm: {dense:.0f} TFLOP/s")
-    gemm_shapes = (GEMM_SMOKE if args.smoke else GEMM_SHAPES).items()
-    gemm, _, failed_gemm = bc.run_cases((n, partial(run_gemm, n, s, cuda, device, dense))
-                                        for n, s in gemm_shapes)  # fmt: skip
+    gemm_shapes = GEMM_SMOKE if args.smoke else GEMM_SHAPES
+    gemm, _, failed_gemm = bc.run_cases(bc.per_shape(run_gemm, gemm_shapes, cuda, device, dense))
     meta = bc.meta(cuda, copy_gb_per_s=copy_gbs, failed={**failed, **failed_gemm})
     series = {"moekit": "moekit_gbs", "torch": "torch_gbs", "copy": "copy_gbs"}
     panels = [bc.bars(rows, series, "GB/s moved (x read, e4m3 + scales written)"),

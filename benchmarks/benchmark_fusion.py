@@ -3,10 +3,9 @@
     python benchmarks/benchmark_fusion.py --out bench_out [--smoke] [--autocast] [--pairs N]
     torchrun --nproc-per-node 2 benchmarks/benchmark_fusion.py --tp --out bench_out
 
-Each rule's chain, forward + backward: host µs behind a GPU sleep (best of 5 rounds in turns),
-eager µs, CUDA-graph µs. Target: sequential ≤ direct + max(10 µs, 10 %), judged on the gap of
---pairs adjacent pairs (common.paired_host_gaps_us) in process CPU time. --tp: all-reduce rule
-after a row-parallel Linear (fixed call counts on every rank); --autocast: fp32 grouped_mlp.
+Each rule's chain, fwd + bwd: host µs behind a GPU sleep (best of 5 rounds), eager and graph µs.
+Target: sequential ≤ direct + max(10 µs, 10 %) on the CPU-time gap of --pairs adjacent pairs.
+--tp: the all-reduce rule after a row-parallel Linear; --autocast: fp32 grouped_mlp.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ def _tuple(out) -> tuple:
 
 
 def training_step(fn, grads, leaves):
-    """One forward + backward of ``fn()`` against fixed output gradients, into fresh gradient
-    tensors of ``leaves`` (no accumulation into ``.grad``, which a CUDA graph cannot hold)."""
+    """fwd + bwd of ``fn()`` against fixed output gradients, into fresh gradients of ``leaves``
+    (no accumulation into ``.grad``, which a CUDA graph cannot hold)."""
     return lambda: torch.autograd.grad(_tuple(fn()), leaves, grads, allow_unused=True)
 
 
@@ -99,10 +98,9 @@ def moe_case(T, H, E, k, F, dev):
 
 
 def host_figures(row, steps, cycles, tp: bool, pairs: int) -> None:
-    """Host and eager µs, best of ROUNDS in turns, the order rotating (host time drifts with other
-    work on the machine); short host batches (an MoE step enqueues ~100 launches). Then the
-    sequential - direct gap of adjacent pairs by the wall clock and by the process's CPU time
-    (the verdict's)."""
+    """Host and eager µs, best of ROUNDS in turns, the order rotating (host time drifts); then the
+    sequential - direct gap of adjacent pairs by the wall clock and by process CPU time."""
+    # short host batches: an MoE step enqueues ~100 launches
     host = lambda f: bc.host_us_per_call(f, 200, cycles, per_batch=8, fixed_count=tp)[0]
     eager = lambda f: (bc.fixed_count_ms(f) if tp else bc.bench_ms(f)) * 1e3
     bc.measure(steps, {"host_us": host, "eager_us": eager}, ROUNDS, row, rotate=True)
@@ -133,8 +131,7 @@ def graph_times(row, steps, tp: bool) -> None:
 
 def measure_case(name, rule, seq, direct_case, sequential_case, smoke, cycles, tp=False,
                  pairs=200) -> dict:  # fmt: skip
-    """``tp``: every call holds a collective, so each rank makes the same number of calls (a rank
-    that makes one more waits for ever) and no CUDA graphs are taken."""
+    """``tp``: every call holds a collective: each rank makes as many calls, no CUDA graphs."""
     (direct, direct_leaves), (sequential, seq_leaves) = direct_case, sequential_case
     grads = output_grads(direct)
     # they must agree before timing; no autograd graph may outlive this (it breaks a capture)
@@ -149,8 +146,7 @@ def measure_case(name, rule, seq, direct_case, sequential_case, smoke, cycles, t
              "unfused": mf.fusions(disable=["all"])(seq_step)}  # fmt: skip
     row = {"case": name, "rule": rule, "applied": fused, "output_rel_err": err}
     if smoke:
-        for who, step in steps.items():
-            row[f"{who}_host_us"] = bc.host_ms(step) * 1e3
+        bc.measure(steps, {"host_us": lambda f: bc.host_ms(f) * 1e3}, 1, row)
     else:
         host_figures(row, steps, cycles, tp, pairs)
         graph_times(row, steps, tp)

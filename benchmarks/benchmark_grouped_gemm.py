@@ -21,8 +21,7 @@ from moekit.tuning.grouped_gemm import tuned_configs
 SHAPES = [  # name, T routed rows, E experts, H hidden, F expert width (real MoE layers)
     ("te_seed", 66560, 20, 2048, 512), ("qwen3_30b_a3b", 65536, 128, 2048, 768),
     ("olmoe", 32768, 64, 2048, 1024), ("deepseek_v3_ep8", 32768, 32, 7168, 2048),
-    ("mixtral", 16384, 8, 4096, 14336), ("gpt_oss_like", 32768, 128, 2880, 2880),
-]  # fmt: skip
+    ("mixtral", 16384, 8, 4096, 14336), ("gpt_oss_like", 32768, 128, 2880, 2880)]  # fmt: skip
 
 
 def passes(T, E, H, F, counts, dtype) -> dict:
@@ -89,8 +88,7 @@ def run_case(name, T, E, H, F, counts, draw, peak, quick, dense: bc.DensePeak) -
 
 _AVERAGED = (
     "moekit_tflops", "torch_tflops", "loop_tflops", "moekit_pct_peak", "torch_pct_peak",
-    "pass_peak_tflops", "moekit_pct_pass_peak", "torch_pct_pass_peak",
-)  # fmt: skip
+    "pass_peak_tflops", "moekit_pct_pass_peak", "torch_pct_pass_peak")  # fmt: skip
 
 
 def aggregate_draws(rows: list[dict]) -> list[dict]:
@@ -146,8 +144,7 @@ COLUMNS = [
     "shape", ("route", "routing"), "draw", "pass", ("moekit", "moekit_tflops"),
     ("torch", "torch_tflops"), ("ratio", "ratio_vs_torch"), ("loop", "loop_tflops"),
     ("%peak", "moekit_pct_peak"), ("t%peak", "torch_pct_peak"), ("pk_pass", "pass_peak_tflops"),
-    ("t%pass", "torch_pct_pass_peak"), ("range", _spread),
-]  # fmt: skip
+    ("t%pass", "torch_pct_pass_peak"), ("range", _spread)]  # fmt: skip
 
 
 def main() -> None:

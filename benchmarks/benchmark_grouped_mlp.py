@@ -2,11 +2,10 @@
 
     python benchmarks/benchmark_grouped_mlp.py --out bench_out [--quick] [--smoke]
 
-SwiGLU expert MLP, forward + autograd.grad, 18·R·H·F FLOPs, skewed routing; ceiling: dense
-torch.mm at the start and the end. Host overhead at a CPU-bound shape (behind a GPU sleep, both
-autograd thread modes, against a kernel-less floor; launches; CUDA-graph replay). Per shape:
-do_bench median, best of 2 rounds, of moekit, moekit_recompute, torch_grouped_mm and loop (not
---quick), peak and saved MiB; the JSON after every shape (--budget-s).
+SwiGLU expert MLP, fwd + autograd.grad, 18·R·H·F FLOPs, skewed routing, ceiling dense torch.mm.
+Host overhead at a CPU-bound shape (behind a GPU sleep, both autograd thread modes, against a
+kernel-less floor; launches; graph replay). Per shape: do_bench, best of 2 rounds; peak and
+saved MiB; the JSON after every shape (--budget-s).
 """
 
 from __future__ import annotations
@@ -26,18 +25,19 @@ from moekit.reference.grouped_gemm import grouped_mm_ragged_m_ref
 SHAPES = [  # name, R routed rows, E experts, H hidden, F expert width (real MoE layers)
     ("te_seed", 66560, 20, 2048, 512), ("qwen3_30b_a3b", 262144, 128, 2048, 768),
     ("olmoe", 65536, 64, 2048, 1024), ("deepseek_v3_ep8", 32768, 32, 7168, 2048),
-    ("mixtral", 16384, 8, 4096, 14336),
-]  # fmt: skip
+    ("mixtral", 16384, 8, 4096, 14336)]  # fmt: skip
 SMOKE_SHAPES = [("smoke_a", 64, 4, 32, 16), ("smoke_b", 96, 3, 64, 32)]
 HOST_SHAPE = ("host_cpu_bound", 4096, 8, 1024, 1024)
 CONTENDERS = ["moekit", "moekit_recompute", "torch_grouped_mm", "loop"]
 FLOOR = "autograd_floor"
 DTYPE = torch.bfloat16
+# (autograd multithreading, key suffix): backward on autograd's device thread, or the caller's
+HOST_MODES = ((True, "host_us"), (False, "host_us_caller_thread"))
 
 
 def make_inputs(R, E, H, Fd, skewed, device, seed):
-    """Routing counts (host), offsets [E] int32 and the leaves x, w1, w2, probs on the device
-    (made there: a host randn of Mixtral's w1 takes seconds), plus the output gradient dy."""
+    """Routing counts (host), offsets [E] int32, the leaves x, w1, w2, probs and the output
+    gradient dy, made on the device (a host randn of Mixtral's w1 takes seconds)."""
     torch.manual_seed(seed)
     counts = bc.routing_counts(R, E, skewed, torch.Generator().manual_seed(seed))
     offsets = torch.cumsum(counts, 0).to(torch.int32).to(device)
@@ -65,10 +65,10 @@ def torch_mlp(x, offsets, w1, w2, probs):
 def loop_mlp(x, w1, w2, probs, host_counts):
     """Per-expert F.linear; split / unbind (not slicing) so autograd's backward is one cat /
     stack, not E full-size zero-filled gradients summed."""
-    xs, ps, w1s, w2s, outs = x.split(host_counts), probs.split(host_counts), w1, w2, []
+    xs, ps, outs = x.split(host_counts), probs.split(host_counts), []
     for e in (e for e, c in enumerate(host_counts) if c > 0):
-        g, u = F.linear(xs[e], w1s[e]).chunk(2, -1)
-        outs.append(F.linear((F.silu(g) * u * ps[e][:, None]).to(x.dtype), w2s[e]))
+        g, u = F.linear(xs[e], w1[e]).chunk(2, -1)
+        outs.append(F.linear((F.silu(g) * u * ps[e][:, None]).to(x.dtype), w2[e]))
     return torch.cat(outs)
 
 
@@ -81,8 +81,7 @@ def make_steps(counts, offsets, x, w1, w2, probs, dy, names):
                                                 recompute_activation=True),
         "torch_grouped_mm": lambda: torch_mlp(x, offsets, w1, w2, probs),
         "loop": lambda: loop_mlp(x, w1.unbind(0), w2.unbind(0), probs, host_counts),
-        FLOOR: lambda: bc.AutogradFloor.apply(x, offsets, w1, w2, probs),
-    }  # fmt: skip
+        FLOOR: lambda: bc.AutogradFloor.apply(x, offsets, w1, w2, probs)}  # fmt: skip
     steps = {}
     for n in names:
         steps[n] = lambda f=fwd[n]: torch.autograd.grad(f(), ins, dy)
@@ -90,10 +89,8 @@ def make_steps(counts, offsets, x, w1, w2, probs, dy, names):
     return steps
 
 
-def saved_mib(step, cuda: bool) -> float:
+def saved_mib(step) -> float:
     """MiB a forward keeps alive for its backward (activations saved plus the output)."""
-    if not cuda:
-        return math.nan
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     y = step.fwd()
@@ -113,8 +110,8 @@ def run_shape(shape, names, ms, peak, device, seed, cuda) -> dict:
            "idle_experts": int((counts == 0).sum()), "max_rows_per_expert": int(counts.max()),
            "floor_ms": flops / (peak * 1e9)}  # fmt: skip
     for c, step in steps.items():  # the first call compiles and autotunes
-        row[f"{c}_peak_mib"] = bc.peak_mib(step, cuda) if cuda else (step(), math.nan)[1]
-        row[f"{c}_saved_mib"] = saved_mib(step, cuda)
+        row[f"{c}_peak_mib"] = bc.peak_mib(step) if cuda else (step(), math.nan)[1]
+        row[f"{c}_saved_mib"] = saved_mib(step) if cuda else math.nan
     bc.measure(steps, {"ms": ms}, 2, row)
     for c in names:
         row[f"{c}_tflops"] = flops / row[f"{c}_ms"] / 1e9
@@ -124,10 +121,6 @@ def run_shape(shape, names, ms, peak, device, seed, cuda) -> dict:
     if cuda and seed == 0:
         row["launches"] = {c: bc.count_launches(steps[c]) for c in names if c != "loop"}
     return row
-
-
-# (autograd multithreading, key suffix): backward on autograd's device thread, or the caller's
-HOST_MODES = ((True, "host_us"), (False, "host_us_caller_thread"))
 
 
 def run_host(names, ms, device, n, cycles, cuda, smoke) -> dict:
@@ -143,17 +136,16 @@ def run_host(names, ms, device, n, cycles, cuda, smoke) -> dict:
         return us if covered else math.inf  # the GPU went idle: the host waited
 
     bc.measure(steps, {key: partial(host, multithreaded=mt) for mt, key in HOST_MODES}, 3, res)
-    for _, k in HOST_MODES:
-        res[f"host_ratio_moekit_vs_torch{k[7:]}"] = (
-            res[f"moekit_{k}"] / res[f"torch_grouped_mm_{k}"]
-        )
+    for _, k in HOST_MODES:  # k[7:]: the mode's suffix
+        ratio = res[f"moekit_{k}"] / res[f"torch_grouped_mm_{k}"]
+        res[f"host_ratio_moekit_vs_torch{k[7:]}"] = ratio
     if cuda:  # after all the host timings: the profiler and graphs must not perturb them
-        bc.measure(steps, {"eager_gpu_us": lambda f: ms(f) * 1e3, "launches": bc.count_launches}, 1,
-                   res)  # fmt: skip
+        gpu_us = lambda f: ms(f) * 1e3
+        bc.measure(steps, {"eager_gpu_us": gpu_us, "launches": bc.count_launches}, 1, res)
         graphs = {c: bc.capture(steps[c]).replay
                   for c in ("torch_grouped_mm", *names) if c != "loop"}  # fmt: skip
         bc.measure(graphs, {"graph_host_us": lambda f: bc.host_us_per_call(f, n, cycles)[0],
-                            "graph_gpu_us": lambda f: ms(f) * 1e3}, 1, res)  # fmt: skip
+                            "graph_gpu_us": gpu_us}, 1, res)  # fmt: skip
     return bc.without_rounds(res)
 
 
@@ -165,7 +157,6 @@ def main() -> None:
     t_start, cuda = time.time(), torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
     shapes = bc.pick(SMOKE_SHAPES if args.smoke else SHAPES, args.shapes)
-    budget = args.budget_s or (150.0 if args.quick else 900.0)
     names = [c for c in CONTENDERS if not (args.quick and c == "loop")]
     torch.manual_seed(0)
     ms = bc.eager_timer(cuda, *((10, 60) if args.quick or args.smoke else (25, 200)))
@@ -181,6 +172,7 @@ def main() -> None:
              for i, s in enumerate(shapes)]  # fmt: skip
     path = os.path.join(args.out, "grouped_mlp.json")
     after = lambda rows: bc.write_json(path, {**state, "rows": rows})
+    budget = args.budget_s or (150.0 if args.quick else 900.0)
     state["rows"], state["skipped_shapes"], state["failed"] = bc.run_cases(cases, budget, after)
     state["failed"].update(failed)
     state["peak_tflops"].append(dense() if cuda else peak)

@@ -2,10 +2,10 @@
 
     python benchmarks/benchmark_hf.py --out bench_out [--quick] [--smoke] [--autocast]
 
-Random-initialised two-layer Qwen3-MoE and OLMoE (their MoE sizes), bf16, against eager,
-batched_mm and grouped_mm: train tokens/s (seq 4096; --autocast: fp32 params under bf16
-autocast), greedy generate new tokens/s (batch 1, 16), the experts module alone (µs, 1 and 16
-tokens). CUDA-event timing after warm-up; generate and experts best of 3 rounds in turns.
+Random-initialised two-layer Qwen3-MoE and OLMoE, bf16, against eager, batched_mm, grouped_mm:
+train tokens/s (seq 4096; --autocast: fp32 params under bf16 autocast), greedy generate tokens/s
+(batch 1, 16), the experts module alone (µs, 1 and 16 tokens). CUDA events after warm-up;
+generate and experts best of 3 rounds in turns.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ MODELS = {
                          num_hidden_layers=2, norm_topk_prob=True, **ATTN)),
     "olmoe_2l": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_experts=64,
                  num_experts_per_tok=8, num_hidden_layers=2, num_attention_heads=16,
-                 num_key_value_heads=16)),
-}  # fmt: skip
+                 num_key_value_heads=16))}  # fmt: skip
 SMOKE_MODELS = {"smoke_qwen3": ("qwen3_moe", dict(hidden_size=64, moe_intermediate_size=32,
                 intermediate_size=96, num_experts=8, num_experts_per_tok=2, num_hidden_layers=1,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16))}  # fmt: skip
@@ -47,19 +46,6 @@ def build(family: str, dims: dict, device, dtype):
     return auto.from_config(config, experts_implementation="eager", dtype=dtype).to(device)
 
 
-def seconds(fn, steps: int, cuda: bool) -> float:
-    """Wall seconds per call of ``steps`` back-to-back calls (CUDA events on a GPU)."""
-    if not cuda:
-        return torch.utils.benchmark.Timer("fn()", globals={"fn": fn}).timeit(steps).mean
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(steps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / steps
-
-
 def train_tokens_per_s(model, impl, seq, batch, steps, cuda, autocast=False) -> float:
     model.set_experts_implementation(impl)
     model.train()
@@ -71,9 +57,7 @@ def train_tokens_per_s(model, impl, seq, batch, steps, cuda, autocast=False) -> 
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
 
-    for _ in range(2):
-        step()
-    return batch * seq / seconds(step, steps, cuda)
+    return batch * seq / bc.mean_ms(step, steps, cuda, warmup=2) * 1e3
 
 
 def generate_tokens_per_s(model, impl, batch, new_tokens, cuda, warm: bool = True) -> float:
@@ -82,9 +66,7 @@ def generate_tokens_per_s(model, impl, batch, new_tokens, cuda, warm: bool = Tru
     ids = torch.randint(0, model.config.vocab_size, (batch, 32), device=model.device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     run = torch.no_grad()(lambda: model.generate(ids, **kw, pad_token_id=0))
-    if warm:
-        run()
-    return batch * new_tokens / seconds(run, 1, cuda)
+    return batch * new_tokens / bc.mean_ms(run, 1, cuda, warmup=int(warm)) * 1e3
 
 
 def experts_call_us(model, impl, tokens: int, cuda: bool, calls: int = 200) -> float:
@@ -97,9 +79,7 @@ def experts_call_us(model, impl, tokens: int, cuda: bool, calls: int = 200) -> f
     weights, ids = torch.rand(tokens, E, device=model.device, generator=g).softmax(-1).topk(k)
     weights = weights.to(model.dtype)
     with torch.no_grad():
-        for _ in range(3):
-            experts(x, ids, weights)
-        return seconds(lambda: experts(x, ids, weights), calls, cuda) * 1e6
+        return bc.mean_ms(lambda: experts(x, ids, weights), calls, cuda, warmup=3) * 1e3
 
 
 def _guard(row: dict, fn, key: str, better=None) -> None:

@@ -3,18 +3,17 @@ Megatron's SequentialMLP and a torch._grouped_mm experts stand-in, side by side 
 
     python benchmarks/benchmark_megatron.py [--shapes qwen3_30b_a3b] [--layers 2] [--out DIR]
 
-Per shape (benchmarks/megatron_gpt.py: Qwen3-30B-A3B and one DeepSeek-V3 EP-8 rank's layer
-sizes, a few layers, Megatron's alltoall dispatcher and aux-loss router): the step's ms with
-each backend, the same step with the experts taken out (a module that returns its input: the
-ceiling of any experts backend), the experts' share by subtraction (step − ceiling), and one
-layer's experts module alone (forward + backward on the rows Megatron's dispatcher gave it).
-Targets: whole step ≥ 5× SequentialMLP at Qwen3; the experts' time ≥ 1.5× the
-``_grouped_mm`` stand-in's. Step times are medians of CUDA-event timed steps, the backends
-taken in turns.
+Per shape (megatron_gpt.py): the step's ms with each backend, with moekit's experts and
+Megatron's permute and router fused by moekit (``moekit_fusions``), and with no experts (the
+ceiling); the experts' share (step − ceiling), one layer's experts alone on the rows Megatron
+gave it;
+medians of CUDA-event timed steps, in turns. Targets: step ≥ 5× SequentialMLP at Qwen3,
+experts ≥ 1.5× the _grouped_mm stand-in.
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import sys
 
@@ -22,7 +21,7 @@ import common as bc
 import megatron_gpt as mgpt
 import torch
 
-from moekit.integrations.megatron import MoekitExperts, with_moekit_experts
+from moekit.integrations.megatron import MoekitExperts, moekit_fusions, with_moekit_experts
 
 TOKENS = 8192  # per step: micro-batch 4 × sequence 2048
 SEQ, VOCAB = 2048, 32768
@@ -72,18 +71,11 @@ def experts_ms(experts, args) -> float:
 
 
 def timed_steps(fns: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
-    """ms of each step function, ``per_round`` CUDA-event timed calls per round, in turns."""
+    """ms of each step function, ``per_round`` CUDA-event timed calls per round, in turns (the
+    round's first call untimed: the allocator, autotuning on the first round)."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            fn()  # the round's first call untimed (allocator, autotuning on the first round)
-            for _ in range(per_round):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-                times[name].append(start.elapsed_time(end))
+    for _, (name, fn) in itertools.product(range(rounds), fns.items()):
+        times[name] += bc.event_ms(fn, per_round, warmup=1)
     return times
 
 
@@ -95,7 +87,11 @@ def run_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
     spec = with_moekit_experts(mgpt.layer_spec("sequential"), NoExperts)
     models["ceiling"] = mgpt.GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
                                       position_embedding_type="rope").cuda()  # fmt: skip
-    times = timed_steps({n: step_fn(m, data) for n, m in models.items()}, rounds, per_round)
+    # moekit's experts with Megatron's permute and router fused by moekit (moekit_fusions): the
+    # other models' configs keep the flags off, so they run Megatron's unfused code as before
+    with moekit_fusions(mgpt.gpt_config(shape, layers, torch.bfloat16)) as fused_cfg:
+        models["moekit_fused"] = mgpt.build_gpt(fused_cfg, "moekit", VOCAB, SEQ)
+        times = timed_steps({n: step_fn(m, data) for n, m in models.items()}, rounds, per_round)
     ms = {n: statistics.median(t) for n, t in times.items()}
     args = experts_inputs(models["moekit"], data)
     alone = {n: experts_ms(models[n].decoder.layers[0].mlp.experts, args) for n in mgpt.BACKENDS}
@@ -105,6 +101,7 @@ def run_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
            **{f"{n}_spread_ms": max(t) - min(t) for n, t in times.items()},
            **{f"{n}_experts_ms": v for n, v in experts.items()},
            "step_x_sequential": ms["sequential"] / ms["moekit"],
+           "fused_x_moekit": ms["moekit"] / ms["moekit_fused"],
            "step_x_grouped_mm": ms["grouped_mm"] / ms["moekit"],
            "ceiling_x_sequential": ms["sequential"] / ms["ceiling"],
            "experts_x_grouped_mm": experts["grouped_mm"] / experts["moekit"],
@@ -134,12 +131,14 @@ def main(argv=None) -> int:
     cols = ["shape", ("moekit ms", "moekit_ms"), ("sequential ms", "sequential_ms"),
             ("grouped_mm ms", "grouped_mm_ms"), ("ceiling ms", "ceiling_ms"),
             ("× sequential", "step_x_sequential"), ("ceiling × seq", "ceiling_x_sequential"),
+            ("+fusions ms", "moekit_fused_ms"), ("fusions ×", "fused_x_moekit"),
             ("× grouped_mm", "step_x_grouped_mm"), ("experts ms", "moekit_experts_ms"),
             ("gmm experts ms", "grouped_mm_experts_ms"),
             ("experts × gmm", "experts_x_grouped_mm"),
             ("1 layer's experts ms", "moekit_experts_alone_ms"),
             ("alone × gmm", "alone_x_grouped_mm"), ("alone × seq", "alone_x_sequential")]  # fmt: skip
-    panels = [bc.bars(rows, {"moekit": "moekit_ms", "SequentialMLP": "sequential_ms",
+    panels = [bc.bars(rows, {"moekit": "moekit_ms", "moekit + fusions": "moekit_fused_ms",
+                             "SequentialMLP": "sequential_ms",
                              "_grouped_mm": "grouped_mm_ms", "no experts": "ceiling_ms"},
                       "step ms (lower is better)")]  # fmt: skip
     bc.finish(args.out, "megatron", data, cols, panels, "Megatron-Core GPT-MoE step, bf16")

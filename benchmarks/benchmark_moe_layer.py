@@ -4,16 +4,10 @@
     python benchmarks/benchmark_moe_layer.py --fp8 --out bench_out
     torchrun --nproc_per_node=N benchmarks/benchmark_moe_layer.py --ep N --out bench_out
 
-Real MoE sizes, bf16, skewed routing, aux loss on. moekit (also recomputing the activation),
-torch (torch_moe.py), loop (not --quick): do_bench median, best of rounds in turns, a CUDA graph
-of 5 calls; ceiling 18·T·k·H·F FLOPs at this run's torch.mm rate. The router alone against the
-torch composition and a kernel-less floor. --autocast: fp32 parameters under bf16 autocast
-against the bf16 layer, the torch MoE with the same casts, the casts' byte floor. --ep N:
-tokens/s per GPU (slowest rank, fixed call counts) against torch with all_to_all_single, the
-exchange alone (GB/s against the GPU1→GPU0 copy rate), --ep-baseline scaling (run_moe_ep.sh).
---fp8: also the layer with its routed experts in FP8 (blockwise recipe, align 128) on the same
-weights, its speed-up over the bf16 layer, its peak memory over the bf16 layer's, and the
-quantization kernels of one step (the casts).
+Real MoE sizes, bf16, skewed routing, aux loss on: moekit (and its recompute / regather modes),
+torch (torch_moe.py), loop: do_bench, best of rounds in turns, a CUDA graph of 5 calls, ceiling
+at this run's torch.mm rate; the router alone. --autocast: fp32 params under bf16 autocast;
+--fp8: FP8 experts against bf16; --ep N: tokens/s per GPU against torch with all_to_all_single.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ import dataclasses
 import json
 import math
 from functools import partial
+from unittest import mock
 
 import common as bc
 import torch
@@ -51,14 +46,18 @@ CAPACITY_FACTOR = 1.25
 EP_CALLS = 20  # timed calls per contender and round: a fixed count on every rank
 
 
+def new_layer(spec, **kw) -> MoELayer:
+    _, E, k, H, Fd, opts, _ = spec
+    return MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts), **kw)
+
+
 def make_layer(T, E, k, H, Fd, opts, device, dtype, seed, ep_group=None, capacity=None,
                ep_config=None):  # fmt: skip
     """The layer (all E experts, or this rank's share), its input and output gradient; the router
     leans towards some experts along one input direction (the same skew for every contender)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    layer = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-                     ep_group=ep_group, dispatch=DispatchConfig(capacity), ep_config=ep_config,
-                     device=device, dtype=dtype)  # fmt: skip
+    layer = new_layer((T, E, k, H, Fd, opts, None), ep_group=ep_group, ep_config=ep_config,
+                      dispatch=DispatchConfig(capacity), device=device, dtype=dtype)  # fmt: skip
     with torch.no_grad():
         u = torch.randn(H, generator=gen)
         u /= u.norm()
@@ -87,32 +86,19 @@ def route_opts(layer: MoELayer) -> dict:
 def steps(layer, x, dy, with_loop: bool, ep_group=None) -> dict:
     """Each contender's forward + backward over the same weights."""
     params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
-    ins = [x, *params]
-    k, opts = layer.k, route_opts(layer)
+    ins, k, opts = [x, *params], layer.k, route_opts(layer)
     moekit = lambda: torch.autograd.grad(layer(x), ins, dy)
     grad = lambda y, aux: torch.autograd.grad([y, aux], ins, [dy, torch.ones_like(aux)])
     baseline = lambda fn, *extra: lambda: grad(*fn(x, *params, k, *extra,
                                                     aux_loss_coeff=AUX_LOSS_COEFF, **opts))  # fmt: skip
-
-    def moekit_recompute():  # the experts recompute their activation in backward
-        layer.experts.recompute_activation = True
-        try:
-            return moekit()
-        finally:
-            layer.experts.recompute_activation = False
-
-    def moekit_regather():  # the experts' input rows gathered again in backward, not kept
-        plain = layer.dispatch
-        layer.dispatch = dataclasses.replace(plain, recompute_rows=True)
-        try:
-            return moekit()
-        finally:
-            layer.dispatch = plain
-
     if ep_group is not None:
         return {"moekit": moekit, "torch": baseline(torch_ep_moe, ep_group)}
-    out = {"moekit": moekit, "moekit_recompute": moekit_recompute,
-           "moekit_regather": moekit_regather, "torch": baseline(torch_moe)}  # fmt: skip
+    # in backward the experts recompute their activation / gather their input rows again
+    recompute = mock.patch.object(layer.experts, "recompute_activation", True)
+    regather = dataclasses.replace(layer.dispatch, recompute_rows=True)
+    out = {"moekit": moekit, "moekit_recompute": recompute(moekit),
+           "moekit_regather": mock.patch.object(layer, "dispatch", regather)(moekit),
+           "torch": baseline(torch_moe)}  # fmt: skip
     if with_loop:
         out["loop"] = baseline(loop_moe)
     return out
@@ -156,18 +142,17 @@ def routing_stats(layer: MoELayer, x: torch.Tensor) -> dict:
 
 def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     T, E, k, H, Fd, opts, target = spec
-    res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts),
-           "target": target}  # fmt: skip
     ms = bc.eager_timer(cuda, warmup=10, rep=60 if args.quick else 150)
-    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
-    res.update(routing_stats(layer, x))
+    layer, x, dy = make_layer(*spec[:6], device, args.dtype, 0)
+    res = {"shape": name, "T": T, "E": E, "k": k, "H": H, "F": Fd, "router": dict(opts),
+           "target": target, **routing_stats(layer, x)}  # fmt: skip
     fns = steps(layer, x, dy, with_loop=not args.quick)
     bc.measure(fns, {"ms": ms}, 1 if args.quick else 3, res, warm=True)
     for c in fns:
         res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], cuda) if c != "loop" else math.nan
     if cuda:
-        graph5 = lambda f: bc.graph_us(f, calls=5) / 1e3
-        bc.measure({c: fns[c] for c in ("moekit", "torch")}, {"graph_ms": graph5}, 1, res)
+        graph5 = {"graph_ms": lambda f: bc.graph_us(f, calls=5) / 1e3}
+        bc.measure({c: fns[c] for c in ("moekit", "torch")}, graph5, 1, res)
     flops = 18 * T * k * H * Fd
     res["moekit_tflops"] = flops / res["moekit_ms"] / 1e9
     res["floor_ms"] = flops / peak_tflops / 1e9 if cuda else math.nan
@@ -183,31 +168,23 @@ def run_shape(name, spec, args, cuda, device, peak_tflops) -> dict:
     bc.ratios(rr, "us", {"speedup": ("torch", "moekit")})
     bc.ratios(rr, "graph_us", {"graph_speedup": ("torch", "moekit")})
     res.update({f"router_{k_}": v for k_, v in rr.items()})
-    if args.autocast:
-        res.update(autocast_figures(spec, args, cuda, device, ms))
-    if args.fp8:
-        res.update(fp8_figures(spec, args, cuda, device, ms))
+    for on, figures in ((args.autocast, autocast_figures), (args.fp8, fp8_figures)):
+        res.update(figures(spec, args, cuda, device, ms) if on else {})
     return res
 
 
 def fp8_figures(spec, args, cuda, device, time_fn) -> dict:
     """The FP8 layer against the bf16 layer (both align 128, the same weights): time, peak
     memory, and the quantization kernels of one forward + backward."""
-    T, E, k, H, Fd, opts, _ = spec
-    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, seed=0)
+    layer, x, dy = make_layer(*spec[:6], device, args.dtype, 0)
     layer.dispatch = DispatchConfig(align=128)
-    fp8 = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-                   fp8=Fp8Recipe(), device="meta", dtype=args.dtype)  # fmt: skip
-    fp8.router = layer.router
-    fp8.experts.fc1_weight, fp8.experts.fc2_weight = (
-        layer.experts.fc1_weight,
-        layer.experts.fc2_weight,
-    )
+    fp8 = new_layer(spec, fp8=Fp8Recipe(), device="meta", dtype=args.dtype)
+    fp8.router, e = layer.router, layer.experts
+    fp8.experts.fc1_weight, fp8.experts.fc2_weight = e.fc1_weight, e.fc2_weight
     fns = {"bf16_align128": steps(layer, x, dy, False)["moekit"],
            "fp8": steps(fp8, x, dy, False)["moekit"]}  # fmt: skip
     res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3, warm=True)
-    for c in fns:
-        res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], cuda)
+    bc.measure(fns, {"peak_mib": partial(bc.peak_mib, cuda=cuda)}, 1, res)
     res["fp8_speedup"] = res["bf16_align128_ms"] / res["fp8_ms"]
     res["fp8_memory_ratio"] = res["fp8_peak_mib"] / res["bf16_align128_peak_mib"]
     res["fp8_casts"] = _casts(fns["fp8"]) if cuda else math.nan
@@ -216,33 +193,30 @@ def fp8_figures(spec, args, cuda, device, time_fn) -> dict:
 
 def _casts(fn) -> int:
     """Launches of one step that quantize: moekit's quantize and FP8 activation kernels, and the
-    permute's row copy, which quantizes on the way (its kernel shares a name with bf16 copies,
-    so it is counted as the one it is)."""
-    names = [e.key for e in bc.cuda_profile(fn, cpu=False).key_averages() for _ in range(e.count)]
-    return 1 + sum(("quantize" in n or "_act_fp8" in n or "_act_bwd_fp8" in n) for n in names)
+    permute's row copy, which quantizes on the way (its kernel's name is shared with bf16's)."""
+    marks = ("quantize", "_act_fp8", "_act_bwd_fp8")
+    return 1 + sum(count for name, count, _ in bc.kernel_times(fn) if any(m in name for m in marks))
 
 
 def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
     """fp32 parameters under bf16 autocast: moekit's layer, the torch-native MoE with the same
     casts written out, the bf16 layer; the casts' byte floor at the measured copy rate."""
-    T, E, k, H, Fd, opts, _ = spec
     low = torch.bfloat16
-    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, torch.float32, seed=0)
+    layer, x, dy = make_layer(*spec[:6], device, torch.float32, 0)
     bf16 = copy.deepcopy(layer).to(low)
     xb, dyb = x.detach().to(low).requires_grad_(), dy.to(low)
     params = [layer.router.weight, layer.experts.fc1_weight, layer.experts.fc2_weight]
     ins, kopts = [x, *params], route_opts(layer)
     fwd = torch.autocast(device.split(":")[0], dtype=low)(lambda: layer(x))  # the forward only
-    moekit_autocast = lambda: torch.autograd.grad(fwd(), ins, dy)
 
     def torch_autocast():
         cast = [p.to(low) for p in params]
-        y, aux = torch_moe(x.to(low), *cast, k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts)
+        y, aux = torch_moe(x.to(low), *cast, layer.k, aux_loss_coeff=AUX_LOSS_COEFF, **kopts)
         return torch.autograd.grad([y.float(), aux], ins, [dy, torch.ones_like(aux)])
 
-    moekit_bf16 = lambda: torch.autograd.grad(bf16(xb), [xb, *bf16.parameters()], dyb)
-    fns = {"moekit_autocast": moekit_autocast, "torch_autocast": torch_autocast,
-           "moekit_bf16": moekit_bf16}  # fmt: skip
+    fns = {"moekit_autocast": lambda: torch.autograd.grad(fwd(), ins, dy),
+           "torch_autocast": torch_autocast,
+           "moekit_bf16": lambda: torch.autograd.grad(bf16(xb), [xb, *bf16.parameters()], dyb)}  # fmt: skip
     res = bc.measure(fns, {"ms": time_fn}, 1 if args.quick else 3, warm=True)
     res["autocast_speedup_vs_torch"] = res["torch_autocast_ms"] / res["moekit_autocast_ms"]
     res["autocast_overhead_ms"] = res["moekit_autocast_ms"] - res["moekit_bf16_ms"]
@@ -254,37 +228,32 @@ def autocast_figures(spec, args, cuda, device, time_fn) -> dict:
 
 def run_ep_shape(name, spec, args, device) -> dict:
     """One shape at EP W: tokens/s per GPU (slowest rank), the exchange alone and its share."""
-    T, E, k, H, Fd, opts, _ = spec
+    T, E, k, H, Fd, _, _ = spec
     W = dist.get_world_size()
     group = dist.group.WORLD if W > 1 else None
-    res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W}
     config = lambda backend, chunks=None: (
         None if group is None else ExpertParallelConfig(backend, chunks=chunks))  # fmt: skip
-    layer, x, dy = make_layer(T, E, k, H, Fd, opts, device, args.dtype, 0, group, None,
-                              config("auto"))  # fmt: skip
-    res.update(routing_stats(layer, x))
+    layer, x, dy = make_layer(*spec[:6], device, args.dtype, 0, group, None, config("auto"))
+    res = {"shape": name, "T_per_rank": T, "E": E, "k": k, "H": H, "F": Fd, "ep": W,
+           **routing_stats(layer, x)}  # fmt: skip
     fns = {c: f for c, f in steps(layer, x, dy, False, group).items() if c in ("moekit", "torch")}
     modes = [("moekit_capacity", CAPACITY_FACTOR, "auto", None)]
     if W > 1:  # and the overlapped chunk counts asked for
         modes.append(("moekit_all_to_all", None, "all_to_all", None))
         modes += [(f"moekit_chunks{c}", None, "auto", c) for c in args.ep_chunks if c > 1]
     for mode, cf, backend, chunks in modes:  # the same parameters (one copy of the experts)
-        other = MoELayer(H, Fd, E, k, router=RouterConfig(aux_loss_coeff=AUX_LOSS_COEFF, **opts),
-                         ep_group=group, dispatch=DispatchConfig(cf), device="meta",
-                         ep_config=config(backend, chunks), dtype=args.dtype)  # fmt: skip
+        other = new_layer(spec, ep_group=group, dispatch=DispatchConfig(cf), device="meta",
+                          ep_config=config(backend, chunks), dtype=args.dtype)  # fmt: skip
         other.router, other.experts = layer.router, layer.experts
         fns[mode] = steps(other, x, dy, False, group)["moekit"]
-    for fn in fns.values():
-        fn()  # compile, tune, warm the allocator
-    if group is not None:
-        res["backend"] = layer.ep.last_exchanges[0].backend
     time_fn = lambda f: bc.over_ranks(bc.fixed_count_ms(f, warmup=3, calls=EP_CALLS))
-    bc.measure(fns, {"ms": time_fn}, 2, res)
+    bc.measure(fns, {"ms": time_fn}, 2, res, warm=True)
+    bc.measure(fns, {"peak_mib": bc.peak_mib}, 1, res)
     for c in fns:
         res[f"{c}_tokens_per_s"] = T / res[f"{c}_ms"] * 1e3
-        res[f"{c}_peak_mib"] = bc.peak_mib(fns[c], True)
     res["speedup_vs_torch"] = res["torch_ms"] / res["moekit_ms"]
     if group is not None:
+        res["backend"] = layer.ep.last_exchanges[0].backend
         res.update(_exchange_figures(layer, x, group))
         res["exchange_kernel_share"] = _exchange_share(fns["moekit"])
         res["exchange_share"] = res["exchange_step_ms"] / res["moekit_ms"]
@@ -330,11 +299,9 @@ def _exchange_figures(layer, x, group) -> dict:
 
 def _exchange_share(fn) -> float:
     """Share of the step's GPU kernel time in the exchange's kernels (NCCL or moekit's)."""
-    total = ex = 0.0
-    for e in bc.cuda_profile(fn, cpu=False).key_averages():
-        total += e.device_time_total
-        if any(n in e.key.lower() for n in ("nccl", "_pull_", "_exchange_barrier", "_copy_rows")):
-            ex += e.device_time_total
+    marks, times = ("nccl", "_pull_", "_exchange_barrier", "_copy_rows"), bc.kernel_times(fn)
+    ex = sum(t for name, _, t in times if any(m in name.lower() for m in marks))
+    total = sum(t for _, _, t in times)
     return ex / total if total else math.nan
 
 
@@ -382,8 +349,7 @@ EP_COLUMNS = [
     ("×torch", "speedup_vs_torch"), ("scaling", "moekit_scaling"),
     ("cap sc.", "moekit_capacity_scaling"), ("xchg GB/s", "exchange_gb_per_s"),
     ("p2p GB/s", "p2p_copy_gb_per_s"), ("xchg share", "exchange_share"),
-    ("peak MiB", "moekit_peak_mib"),
-]  # fmt: skip
+    ("peak MiB", "moekit_peak_mib")]  # fmt: skip
 COLUMNS = [
     "shape", ("load", "max_over_mean_load"), ("moekit ms", "moekit_ms"), ("torch ms", "torch_ms"),
     ("loop ms", "loop_ms"), ("× torch", "speedup_vs_torch"), "target",
@@ -395,8 +361,7 @@ COLUMNS = [
     ("graph ×", "router_graph_speedup"), ("autocast ×", "autocast_speedup_vs_torch"),
     ("autocast overhead ms", "autocast_overhead_ms"), ("cast floor ms", "autocast_cast_floor_ms"),
     ("fp8 ms", "fp8_ms"), ("bf16 a128 ms", "bf16_align128_ms"), ("fp8 ×", "fp8_speedup"),
-    ("fp8 MiB ×", "fp8_memory_ratio"), ("casts", "fp8_casts"),
-]  # fmt: skip
+    ("fp8 MiB ×", "fp8_memory_ratio"), ("casts", "fp8_casts")]  # fmt: skip
 
 
 def main() -> None:

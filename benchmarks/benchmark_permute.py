@@ -2,11 +2,10 @@
 
     python benchmarks/benchmark_permute.py --out bench_out [--quick] [--budget-s 500] [--smoke]
 
-Checks bf16 results against the reference, then times per (T, H, E, k, align) forward and
-backward of ours (metadata included), torch (argsort + index_select / index_add_, + a pad pass
-when aligned), sep-pad (unaligned moekit + that pad pass), and the routing metadata (≤ 30 µs).
-Eager: do_bench median (bwd = fwd+bwd − fwd); GPU: summed profiler durations of a call after an
-L2 flush (``_l2_flush_kernel``), median of GPU_CALLS. Ceiling: a 1 GiB device copy.
+Checks bf16 results against the reference, then times fwd and bwd per (T, H, E, k, align) of
+ours, torch (argsort + index_select / index_add_, + a pad pass when aligned), sep-pad (unaligned
+moekit + that pad pass), and the routing metadata. Eager: do_bench (bwd = fwd+bwd − fwd); GPU:
+summed profiler durations after an L2 flush, median of GPU_CALLS. Ceiling: a device copy.
 """
 
 from __future__ import annotations
@@ -168,19 +167,11 @@ def check_shape(T, H, E, k, align) -> None:
 
 
 def contenders(T, E, k, align, R) -> dict:
-    """label -> (make_permute(inputs) -> state with "rows" [R, H] and "probs" [R],
-    make_unpermute(state, expert_out) -> y [T, H], GPU-timed)."""
+    """label -> (permute(idx, probs, hidden) -> state with "rows" [R, H] and "probs" [R],
+    unpermute(state, expert_out) -> y [T, H], GPU-timed)."""
 
-    def ours_p(s):
-        d = permute(s[2], s[0], s[1], num_experts=E, align=align)
-        return {"rows": d.hidden, "probs": d.probs, "d": d}
-
-    def torch_p(s):
-        rows, rp, order, dst = torch_permute(s[2], s[0], s[1], E, align, R)
-        return {"rows": rows, "probs": rp, "order": order, "dst": dst}
-
-    def sep_p(s):
-        d = permute(s[2], s[0], s[1], num_experts=E)
+    def sep_p(idx, probs, hidden):
+        d = permute(hidden, idx, probs, num_experts=E)
         rows, dst = pad_rows(d.hidden, d.tokens_per_expert, align, R)
         return {"rows": rows, "probs": d.probs.new_zeros(R).index_copy(0, dst, d.probs),
                 "d": d, "dst": dst}  # fmt: skip
@@ -189,13 +180,16 @@ def contenders(T, E, k, align, R) -> dict:
         d2 = dataclasses.replace(st["d"], probs=st["probs"].index_select(0, st["dst"]))
         return unpermute(eo.index_select(0, st["dst"]), d2)
 
-    out = {"ours": (ours_p, lambda st, eo: unpermute(eo, dataclasses.replace(st["d"],
-                    probs=st["probs"])), True),
-           "torch": (torch_p, lambda st, eo: torch_unpermute(eo, st["probs"], st["order"],
-                     st["dst"], T, k), True)}  # fmt: skip
-    if align:
-        out["sep-pad"] = (sep_p, sep_u, False)
-    return out
+    def ours_p(idx, probs, hidden):
+        d = permute(hidden, idx, probs, num_experts=E, align=align)
+        return {"rows": d.hidden, "probs": d.probs, "d": d}
+
+    torch_p = lambda i, p, h: dict(zip(("rows", "probs", "order", "dst"),
+                                       torch_permute(h, i, p, E, align, R)))  # fmt: skip
+    ours_u = lambda st, eo: unpermute(eo, dataclasses.replace(st["d"], probs=st["probs"]))
+    torch_u = lambda st, eo: torch_unpermute(eo, st["probs"], st["order"], st["dst"], T, k)
+    return {"ours": (ours_p, ours_u, True), "torch": (torch_p, torch_u, True),
+            **({"sep-pad": (sep_p, sep_u, False)} if align else {})}  # fmt: skip
 
 
 def time_op(res, gres, key, fwd, graph, gpu: bool) -> None:
@@ -207,26 +201,23 @@ def time_op(res, gres, key, fwd, graph, gpu: bool) -> None:
     if gpu and DEVICE == "cuda":
         gres[(*key, "fwd")] = gpu_us(fwd)
         outs, ins, grads = graph()
-        gres[(*key, "bwd")] = gpu_us(lambda: torch.autograd.grad(outs, ins, grads,
-                                                                retain_graph=True))  # fmt: skip
+        gres[(*key, "bwd")] = gpu_us(
+            lambda: torch.autograd.grad(outs, ins, grads, retain_graph=True)
+        )
 
 
-def measure_impl(res, gres, errors, label, make_p, make_u, s, gpu: bool) -> None:
+def measure_impl(res, gres, label, make_p, make_u, s, gpu: bool) -> None:
     """Permute then unpermute (on detached permute outputs: expert_out and the row probs are the
     leaves) of one contender, on the input set ``s`` = (indices, probs, hidden)."""
-    try:
-        st, rows_probs = make_p(s), itemgetter("rows", "probs")
-        g = tuple(map(torch.randn_like, rows_probs(st)))
-        p_graph = lambda: (rows_probs(make_p(s)), (s[2], s[1]), g)
-        time_op(res, gres, ("permute", label), lambda: make_p(s), p_graph, gpu)
-        st = {**st, "probs": st["probs"].detach().requires_grad_(True)}
-        eo = torch.randn_like(st.pop("rows")).requires_grad_(True)
-        gy = torch.randn(s[2].shape, device=DEVICE, dtype=s[2].dtype)
-        u_graph = lambda: ((make_u(st, eo),), (eo, st["probs"]), (gy,))
-        time_op(res, gres, ("unpermute", label), lambda: make_u(st, eo), u_graph, gpu)
-    except Exception as exc:  # one failing contender must not lose the table
-        errors[label] = bc.error_line(exc)
-        bc.log(f"    FAIL {label}: {errors[label]}")
+    st, rows_probs = make_p(*s), itemgetter("rows", "probs")
+    g = tuple(map(torch.randn_like, rows_probs(st)))
+    p_graph = lambda: (rows_probs(make_p(*s)), (s[2], s[1]), g)
+    time_op(res, gres, ("permute", label), lambda: make_p(*s), p_graph, gpu)
+    st = {**st, "probs": st["probs"].detach().requires_grad_(True)}
+    eo = torch.randn_like(st.pop("rows")).requires_grad_(True)
+    gy = torch.randn(s[2].shape, device=DEVICE, dtype=s[2].dtype)
+    u_graph = lambda: ((make_u(st, eo),), (eo, st["probs"]), (gy,))
+    time_op(res, gres, ("unpermute", label), lambda: make_u(st, eo), u_graph, gpu)
 
 
 def measure_config(cfg, copy, no_align, cell_errors) -> list[dict]:
@@ -244,7 +235,11 @@ def measure_config(cfg, copy, no_align, cell_errors) -> list[dict]:
               ("unpermute", "fwd"): tk + T, ("unpermute", "bwd"): T + tk + R}  # fmt: skip
     res, gres, errors = {}, {}, {}
     for label, (make_p, make_u, gpu) in contenders(T, E, k, align, R).items():
-        measure_impl(res, gres, errors, label, make_p, make_u, s, gpu)
+        try:
+            measure_impl(res, gres, label, make_p, make_u, s, gpu)
+        except Exception as exc:  # one failing contender must not lose the table
+            errors[label] = bc.error_line(exc)
+            bc.log(f"    FAIL {label}: {errors[label]}")
     if errors:
         cell_errors[str(cfg)] = errors
     rows = []

@@ -38,9 +38,7 @@ SHAPES = [
 QUICK = ["decode_1_qwen3", "decode_64_e256", "short_2048_e8", "short_2048_e16"]
 SMOKE_SHAPES = [("smoke", 8, 2, 4, 32, 16)]
 PASSES = ("mm_fc1", "mm_dgrad", "mm_wgrad", "mlp", "block", "permute", "unpermute")
-# One custom autograd Function with grouped_mlp's inputs and outputs that launches nothing: the
-# host time any op of that signature pays before its kernels (mlp pass only).
-FLOOR = "autograd_floor"
+FLOOR = "autograd_floor"  # common.AutogradFloor: the host time of grouped_mlp's signature (mlp)
 
 
 def make_case(tokens, k, E, H, Fd, device, dtype, seed):
@@ -50,22 +48,19 @@ def make_case(tokens, k, E, H, Fd, device, dtype, seed):
     probs, idx = (torch.randn(tokens, E, generator=g) + skew).softmax(-1).topk(k, dim=-1)
     probs, idx = (probs / probs.sum(-1, keepdim=True)).to(device), idx.to(device)
     counts = torch.bincount(idx.flatten(), minlength=E)
-    offsets = counts.cumsum(0).to(torch.int32)
     T = tokens * k
     rnd = lambda *shape, scale=1.0: (torch.randn(*shape, device=device) * scale).to(dtype)
     return {
-        "idx": idx, "probs": probs, "offsets": offsets, "tokens": tokens, "E": E,
-        "x_tok": rnd(tokens, H), "x": rnd(T, H), "dh": rnd(T, 2 * Fd), "dy": rnd(T, H),
+        "idx": idx, "probs": probs, "offsets": counts.cumsum(0).to(torch.int32), "tokens": tokens,
+        "E": E, "x_tok": rnd(tokens, H), "x": rnd(T, H), "dh": rnd(T, 2 * Fd), "dy": rnd(T, H),
         "dy_tok": rnd(tokens, H), "row_probs": torch.rand(T, device=device),
         "w1": rnd(E, 2 * Fd, H, scale=H**-0.5), "w2": rnd(E, H, Fd, scale=Fd**-0.5),
-        "empty_experts": int((counts == 0).sum()),
-    }  # fmt: skip
+        "empty_experts": int((counts == 0).sum())}  # fmt: skip
 
 
 def moekit_block(x, idx, probs, w1, w2, E):
     d = permute(x, indices=idx, probs=probs, num_experts=E)
-    y = grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs)
-    return unpermute(y, d, weighted=False)
+    return unpermute(grouped_mlp(d.hidden, d.offsets, w1, w2, d.probs), d, weighted=False)
 
 
 def make_steps(case, which: str) -> dict:
@@ -106,8 +101,8 @@ def make_steps(case, which: str) -> dict:
 
 def run_pass(steps: dict, cuda: bool, cycles_per_ms, per_batch: int) -> dict:
     """Eager, GPU-only and host µs per call of each contender (``per_batch`` calls behind one GPU
-    sleep: within the launch queue). On the GPU 3 rounds in turns (the order rotating): figures
-    are medians over the rounds, ratios medians of the ratios within a round."""
+    sleep: within the launch queue); on the GPU the medians of 3 rounds in turns (the order
+    rotating), the ratios medians of the ratios within a round."""
     if not cuda:  # the warm call: configs, compilation, launch recording
         res = bc.measure(steps, {"eager_us": lambda f: bc.host_ms(f) * 1e3}, warm=True)
         res.update({f"{c}_host_us": res[f"{c}_eager_us"] for c in steps})
@@ -117,8 +112,8 @@ def run_pass(steps: dict, cuda: bool, cycles_per_ms, per_batch: int) -> dict:
         res = bc.measure(steps, timers, 3, keep=statistics.median, rotate=True, warm=True)
         bc.measure(steps, {"gpu_us": bc.graph_us}, 1, res)
     bc.ratios(res, "eager_us", {"eager_speedup": ("torch", "moekit")})
-    pairs = {"host_ratio": ("moekit", "torch"), "host_over_floor": ("moekit", FLOOR)}
-    return bc.ratios(res, "host_us", pairs)
+    return bc.ratios(res, "host_us", {"host_ratio": ("moekit", "torch"),
+                                      "host_over_floor": ("moekit", FLOOR)})  # fmt: skip
 
 
 # --- Warm-up: the first forward + backward of a new shape, in a fresh process ---
@@ -167,8 +162,7 @@ def trio(c: str):  # "eager/gpu/host" µs of contender ``c``
 COLUMNS = [
     "shape", "pass", "T", "E", "H", "F", ("torch eager/gpu/host µs", trio("torch")),
     ("moekit eager/gpu/host µs", trio("moekit")), ("eager x", "eager_speedup"),
-    ("host x", "host_ratio"), ("host / floor", "host_over_floor"),
-]  # fmt: skip
+    ("host x", "host_ratio"), ("host / floor", "host_over_floor")]  # fmt: skip
 
 
 def run_shape(i, shape, args, cuda, device, dtype, cycles_per_ms) -> list[dict]:
@@ -196,9 +190,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     shapes = bc.pick(SMOKE_SHAPES if args.smoke else SHAPES, args.shapes)
     shapes = bc.pick(shapes, QUICK if args.quick else None)
-    cycles_per_ms = bc.sleep_cycles_per_ms() if cuda else None
     run = partial(run_shape, args=args, cuda=cuda, device=device, dtype=dtype,
-                  cycles_per_ms=cycles_per_ms)  # fmt: skip
+                  cycles_per_ms=bc.sleep_cycles_per_ms() if cuda else None)  # fmt: skip
     rows, _, failed = bc.run_cases((s[0], partial(run, i, s)) for i, s in enumerate(shapes))
     result = {"device": bc.device_name(cuda), "rows": rows, "failed": failed}
     if cuda and not args.no_warmup:

@@ -2,17 +2,14 @@
 
     python benchmarks/benchmark_sort_chunks.py --out bench_out [--smoke]
 
-Regroups an EP rank's ``[source rank][local expert]`` chunks (skewed sizes, on the device) by
-``[local expert][source rank]``: one EP8 rank of Qwen3-30B-A3B, DeepSeek-V3, Mixtral, a decode.
-Against torch index (searchsorted + index_select, no sync) and torch split (Megatron-Core: host
-split sizes, reorder, cat): do_bench median and a CUDA graph of 20 calls (not torch split).
-Floor: the bytes that must move at this run's device copy rate.
+An EP8 rank's ``[rank][local expert]`` chunks (skewed) by ``[expert][rank]``, against torch
+index (searchsorted + index_select) and torch split (Megatron-Core's: host sizes, cat): do_bench
+and a CUDA graph of 20 calls; floor: the bytes moved at the device copy rate.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 
 import common as bc
 import torch
@@ -28,11 +25,8 @@ SMOKE_SHAPES = {"smoke": (96, 32, 2, 3)}
 def chunk_case(N: int, H: int, ranks: int, local: int, device, dtype, seed: int = 0):
     """Rows, probs, skewed chunk sizes summing to N, and the [expert][rank] chunk order."""
     g = torch.Generator().manual_seed(seed)
-    C = ranks * local
-    share = torch.distributions.Gamma(0.6, 1.0).sample((C,))
-    sizes = torch.floor(share / share.sum() * N).to(torch.int64)
-    sizes[torch.argmax(sizes)] += N - int(sizes.sum())
-    order = torch.arange(C).view(ranks, local).t().reshape(-1)
+    sizes = bc.routing_counts(N, ranks * local, True, None)  # no idle chunk
+    order = torch.arange(ranks * local).view(ranks, local).t().reshape(-1)
     x = torch.randn(N, H, generator=g).to(device, dtype).requires_grad_()
     probs = torch.rand(N, generator=g).to(device).requires_grad_()
     return x, probs, sizes.to(device), order.to(device)
@@ -71,7 +65,7 @@ def run_shape(name: str, spec: tuple, cuda: bool, device, dtype, copy_gbs: float
         if not all(torch.equal(a, b) for a, b in zip(fns[c](), want)):
             raise AssertionError(f"{c} differs from moekit")
     res = {"shape": name, "N": N, "H": H, "chunks": ranks * local}
-    bc.measure(fns, {"us": lambda f: bc.eager_timer(cuda, warmup=10, rep=50)(f) * 1e3}, 1, res)
+    bc.measure(fns, {"us": bc.eager_timer(cuda, warmup=10, rep=50, unit=1e3)}, 1, res)
     if cuda:  # torch split's read-back cannot be captured
         bc.measure({c: fns[c] for c in list(fns)[:2]}, {"graph_us": bc.graph_us}, 1, res)
     nbytes = 2 * (2 * N * H * x.element_size() + 2 * N * 4)  # forward and backward
@@ -84,8 +78,7 @@ COLUMNS = [
     "shape", "N", "H", ("C", "chunks"), ("moekit µs", "moekit_us"), ("index µs", "torch_index_us"),
     ("split µs", "torch_split_us"), ("× index", "speedup_vs_index"),
     ("× split", "speedup_vs_split"), ("graph moekit", "moekit_graph_us"),
-    ("graph index", "torch_index_graph_us"), ("floor µs", "floor_us"),
-]  # fmt: skip
+    ("graph index", "torch_index_graph_us"), ("floor µs", "floor_us")]  # fmt: skip
 
 
 def main() -> None:
@@ -95,9 +88,8 @@ def main() -> None:
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     copy_gbs = bc.copy_gb_per_s(device) if cuda else math.nan
     bc.log(f"device copy: {copy_gbs:.0f} GB/s")
-    shapes = (SMOKE_SHAPES if args.smoke else SHAPES).items()
-    rows, _, failed = bc.run_cases((n, partial(run_shape, n, s, cuda, device, dtype, copy_gbs))
-                                   for n, s in shapes)  # fmt: skip
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows, _, failed = bc.run_cases(bc.per_shape(run_shape, shapes, cuda, device, dtype, copy_gbs))
     meta = bc.meta(cuda, dtype=str(dtype), copy_gb_per_s=copy_gbs, failed=failed)
     series = {"moekit": "moekit_us", "torch index": "torch_index_us",
               "torch split": "torch_split_us", "copy floor": "floor_us"}  # fmt: skip

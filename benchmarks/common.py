@@ -1,8 +1,8 @@
 """The benchmark harness: routings, timers, the case loop, the table, the JSON and the PNG.
 
-Each ``benchmark_<area>.py`` (importing this as ``common``, which puts the checkout on sys.path)
-states its cases and contenders (name -> zero-argument callable: ours, baselines, the ceiling)
-and calls :func:`parser`, :func:`run_cases`, :func:`measure`, :func:`ratios`, :func:`finish`.
+Each ``benchmark_<area>.py`` imports this as ``bc`` (which puts the checkout on sys.path), states
+its contenders (name -> zero-argument callable) and calls :func:`parser`, :func:`run_cases`,
+:func:`measure`, :func:`ratios`, :func:`finish`.
 """
 
 from __future__ import annotations
@@ -30,23 +30,23 @@ Row = dict[str, Any]
 
 
 # --- Routings ---
-def routing_counts(T: int, E: int, skewed: bool, gen: torch.Generator) -> torch.Tensor:
+def routing_counts(T: int, E: int, skewed: bool, gen: torch.Generator | None) -> torch.Tensor:
     """Rows per expert [E] int64 summing to T: uniform, or skewed (gamma shares from torch's
-    global RNG, and one idle expert drawn from ``gen``)."""
+    global RNG, and one idle expert drawn from ``gen`` unless it is None)."""
     if not skewed:
         counts = torch.full((E,), T // E, dtype=torch.int64)
         counts[: T - int(counts.sum())] += 1
         return counts
     share = torch.distributions.Gamma(0.6, 1.0).sample((E,))
-    share[torch.randint(E, (1,), generator=gen)] = 0.0  # at least one idle expert
+    if gen is not None:  # at least one idle expert
+        share[torch.randint(E, (1,), generator=gen)] = 0.0
     counts = torch.floor(share / share.sum() * T).to(torch.int64)
     counts[torch.argmax(counts)] += T - int(counts.sum())
     return counts
 
 
 def skewed_routing(T: int, E: int, draw: int) -> torch.Tensor:
-    """Skewed routing number ``draw``, seeded by ``draw`` alone (the caller's RNG untouched), so
-    a shape's routings do not depend on what ran before."""
+    """Skewed routing number ``draw``, seeded by ``draw`` alone (the caller's RNG untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(draw)
         return routing_counts(T, E, True, torch.Generator().manual_seed(draw))
@@ -59,28 +59,31 @@ def topk_routing(T: int, E: int, k: int, device) -> tuple[torch.Tensor, torch.Te
 
 
 # --- Timers ---
+def repeat(fn: Callable, n: int) -> None:
+    for _ in range(n):
+        fn()
+
+
 def bench_ms(fn: Callable, warmup: float = 25, rep: float = 100) -> float:
     """GPU ms per call: the median of ``triton.testing.do_bench`` (L2 flushed before each call)."""
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def host_ms(fn: Callable, calls: int = 3, warm: int = 1) -> float:
-    """The CPU stand-in for :func:`bench_ms` (--smoke: checks the plumbing, nothing more)."""
-    for _ in range(warm):
-        fn()
+    """The CPU stand-in for :func:`bench_ms` (--smoke: checks the plumbing)."""
+    repeat(fn, warm)
     return torch.utils.benchmark.Timer("fn()", globals={"fn": fn}).timeit(calls).median * 1e3
 
 
-def eager_timer(cuda: bool, warmup: float = 25, rep: float = 100) -> Callable[[Callable], float]:
-    """ms per call: :func:`bench_ms` on the GPU, :func:`host_ms` on the CPU."""
-    return (lambda fn: bench_ms(fn, warmup=warmup, rep=rep)) if cuda else host_ms
+def eager_timer(cuda: bool, warmup: float = 25, rep: float = 100,
+                unit: float = 1.0) -> Callable[[Callable], float]:  # fmt: skip
+    """ms (× ``unit``) per call: :func:`bench_ms` on the GPU, :func:`host_ms` on the CPU."""
+    return lambda fn: (bench_ms(fn, warmup=warmup, rep=rep) if cuda else host_ms(fn)) * unit
 
 
-def fixed_count_ms(fn: Callable, warmup: int = 10, calls: int = 50) -> float:
-    """GPU ms per call: the median over ``calls`` calls between CUDA events. A fixed count, for
-    calls that hold a collective (every rank must make as many). No L2 flush."""
-    for _ in range(warmup):
-        fn()
+def event_ms(fn: Callable, calls: int, warmup: int = 0) -> list[float]:
+    """GPU ms of each of ``calls`` calls between CUDA events (after ``warmup`` untimed calls)."""
+    repeat(fn, warmup)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(calls)]  # fmt: skip
     for start, end in events:
@@ -88,7 +91,17 @@ def fixed_count_ms(fn: Callable, warmup: int = 10, calls: int = 50) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
+    return [s.elapsed_time(e) for s, e in events]
+
+
+def fixed_count_ms(fn: Callable, warmup: int = 10, calls: int = 50) -> float:
+    """The median of :func:`event_ms`: a fixed count, for collectives (no L2 flush)."""
+    return statistics.median(event_ms(fn, calls, warmup))
+
+
+def mean_ms(fn: Callable, calls: int, cuda: bool, warmup: int = 0) -> float:
+    """ms per call over ``calls`` back-to-back calls: CUDA events, or the host clock off CUDA."""
+    return statistics.fmean(event_ms(fn, calls, warmup)) if cuda else host_ms(fn, calls, warmup)
 
 
 def over_ranks(v: float, op: str = "MAX") -> float:
@@ -102,8 +115,7 @@ def copy_gb_per_s(device) -> float:
     """Device-to-device copy rate of a 1 GiB buffer: GB/s read + written (``bench_ms``)."""
     src = torch.empty(2**29, dtype=torch.float16, device=device)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src), warmup=5, rep=30)
-    return 2 * src.numel() * src.element_size() / ms / 1e6
+    return 2 * src.numel() * src.element_size() / bench_ms(partial(dst.copy_, src), 5, 30) / 1e6
 
 
 def capture(fn: Callable, calls: int = 1) -> torch.cuda.CUDAGraph:
@@ -111,22 +123,20 @@ def capture(fn: Callable, calls: int = 1) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
+        repeat(fn, 3)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        repeat(fn, calls)
     graph.replay()
     torch.cuda.synchronize()
     return graph
 
 
 def graph_us(fn: Callable, calls: int = 20, fixed_count: bool = False, replays: int = 10) -> float:
-    """GPU µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (replays timed by
-    ``bench_ms``, or ``replays`` of them by :func:`fixed_count_ms` for collectives)."""
+    """GPU µs per call replayed from a CUDA graph of ``calls`` calls (by ``bench_ms``, or
+    ``replays`` replays by :func:`fixed_count_ms` for collectives)."""
     graph = capture(fn, calls)
     if fixed_count:
         return fixed_count_ms(graph.replay, warmup=3, calls=replays) * 1e3 / calls
@@ -134,12 +144,11 @@ def graph_us(fn: Callable, calls: int = 20, fixed_count: bool = False, replays: 
 
 
 def cuda_profile(fn: Callable, calls=1, before: Callable | None = None, cpu=True, warm=True):
-    """torch.profiler over ``calls`` calls of ``fn`` (each after ``before``) after a ``warm``
-    call (compilation stays out); ``cpu``: the host's activities too."""
+    """torch.profiler over ``calls`` calls of ``fn`` (each after ``before``), after a ``warm``
+    call; ``cpu``: the host's activities too."""
     from torch.profiler import ProfilerActivity, profile
 
-    if warm:
-        fn()
+    repeat(fn, int(warm))
     torch.cuda.synchronize()
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cpu else [ProfilerActivity.CUDA]
     with profile(activities=acts) as prof:
@@ -153,20 +162,19 @@ def cuda_profile(fn: Callable, calls=1, before: Callable | None = None, cpu=True
 
 def count_launches(fn: Callable) -> int:
     """CUDA kernel launches (memset / memcpy included) of one call."""
-    events = cuda_profile(fn).events()
-    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in events)
+    return sum(e.device_type == torch.autograd.DeviceType.CUDA for e in cuda_profile(fn).events())
 
 
-def sleep_cycles_per_ms() -> float:
+def kernel_times(fn: Callable) -> list[tuple[str, int, float]]:
+    """(name, calls, summed GPU µs) of each kernel of one profiled call."""
+    return [(e.key, e.count, e.device_time_total)
+            for e in cuda_profile(fn, cpu=False).key_averages()]  # fmt: skip
+
+
+def sleep_cycles_per_ms(cycles: int = 100_000_000) -> float:
     """Calibrate torch.cuda._sleep: cycles per ms of GPU time."""
-    torch.cuda._sleep(1000)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    cycles = 100_000_000
-    start.record()
-    torch.cuda._sleep(cycles)
-    end.record()
-    torch.cuda.synchronize()
-    return cycles / start.elapsed_time(end)
+    torch.cuda._sleep(1000)  # the first launch's cost stays out
+    return cycles / event_ms(lambda: torch.cuda._sleep(cycles), 1)[0]
 
 
 def _synchronized_ms(*fns: Callable) -> float:
@@ -190,16 +198,12 @@ def _sleep_then(k: int, upper_ms: float, cycles_per_ms: float, scale: float = 1.
 
 def host_us_per_call(fn: Callable, n: int, cycles_per_ms: float | None, per_batch: int = 25,
                      passes: int = 2, fixed_count: bool = False) -> tuple[float, bool]:  # fmt: skip
-    """Host µs per call: the median over batches of ``per_batch`` calls (under the GPU's launch
-    queue depth), each enqueued behind a GPU sleep so the host never waits; ``covered``: False
-    if the GPU went idle in a batch. ``fixed_count``: no retry, no early stop (collectives)."""
-    for _ in range(5):  # warm: the caching allocator holds every block the loop needs
-        fn()
+    """(Host µs per call, covered): the median over batches of ``per_batch`` calls (under the
+    launch queue depth), each behind a GPU sleep so the host never waits; covered: the GPU never
+    went idle. ``fixed_count``: no retry, no early stop (collectives)."""
+    repeat(fn, 5)  # warm: the caching allocator holds every block the loop needs
     if cycles_per_ms is None:  # CPU: everything runs on the host anyway
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        return (time.perf_counter() - t0) / n * 1e6, True
+        return host_ms(fn, n, warm=0) * 1e3, True
     upper_ms = _synchronized_ms(fn)
     per_call_us, covered_all = [], True
     attempts = 1 if fixed_count else 2  # a second, longer sleep if the first ran out
@@ -210,8 +214,7 @@ def host_us_per_call(fn: Callable, n: int, cycles_per_ms: float | None, per_batc
             for attempt in range(attempts):
                 slept = _sleep_then(k, upper_ms, cycles_per_ms, 4**attempt)
                 t0 = time.perf_counter()
-                for _ in range(k):
-                    fn()
+                repeat(fn, k)
                 dt = time.perf_counter() - t0
                 covered = not slept.query()  # the sleep still runs: the host never waited
                 torch.cuda.synchronize()
@@ -226,10 +229,10 @@ def host_us_per_call(fn: Callable, n: int, cycles_per_ms: float | None, per_batc
     return statistics.median(per_call_us), covered_all
 
 
-class PairedGap(NamedTuple):
+class PairedGap(NamedTuple):  # covered: False if a batch ran past its GPU sleep even on retries
     gap_us: float  # median over the pairs of (fn_a − fn_b)
     gaps_us: list[float]  # every pair's gap
-    covered: bool  # False: a batch ran past its GPU sleep even on retries
+    covered: bool
     b_us: float  # median of fn_b's own times
 
 
@@ -239,9 +242,7 @@ def paired_host_gaps_us(fn_a: Callable, fn_b: Callable, pairs: int, cycles_per_m
     """Host µs of a call of ``fn_a`` minus one of ``fn_b``, one :class:`PairedGap` per clock: the
     median over ``pairs`` adjacent pairs behind a GPU sleep (a slow stretch of the host hits both
     alike). ``time.process_time``: the CPU time of every thread, none of the time off the CPU."""
-    for _ in range(5):
-        fn_a()
-        fn_b()
+    repeat(lambda: (fn_a(), fn_b()), 5)
     upper_ms = _synchronized_ms(fn_a, fn_b)
     n = len(clocks)
     gaps, b_times = [[] for _ in range(n)], [[] for _ in range(n)]
@@ -304,7 +305,7 @@ class DensePeak:
         return 2 * self.n**3 / (self.time_fn(self.mm) if ms is None else ms) / 1e9
 
 
-def peak_mib(step: Callable, cuda: bool) -> float:
+def peak_mib(step: Callable, cuda: bool = True) -> float:
     """MiB allocated at the peak of one call above what was allocated before it."""
     if not cuda:
         return math.nan
@@ -357,6 +358,12 @@ def release_memory() -> None:
     """Drop the cached blocks of the case that just ran (no-op without CUDA)."""
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def per_shape(fn: Callable, shapes, *args, **kw) -> list[tuple[str, Callable]]:
+    """:func:`run_cases`' cases: ``fn(name, spec, *args, **kw)`` per (name, spec) of ``shapes``."""
+    items = shapes.items() if isinstance(shapes, dict) else shapes
+    return [(name, partial(fn, name, spec, *args, **kw)) for name, spec in items]
 
 
 def run_cases(cases: Iterable[tuple[str, Callable]], budget_s: float | None = None,

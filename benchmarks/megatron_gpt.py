@@ -15,6 +15,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch_moe import torch_grouped_swiglu
 
 from moekit.integrations.megatron import MoekitExperts, sequential_to_grouped, with_moekit_experts
 
@@ -37,9 +38,7 @@ def init_single_process(seed: int = 1234) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def gpt_config(
-    shape: str, layers: int, dtype: torch.dtype, dispatcher: str = "alltoall"
-) -> TransformerConfig:
+def gpt_config(shape: str, layers: int, dtype, dispatcher: str = "alltoall") -> TransformerConfig:
     hidden, heads, experts, topk, ffn = SHAPES[shape]
     return TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -48,20 +47,16 @@ def gpt_config(
         add_bias_linear=False, normalization="RMSNorm", moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )  # fmt: skip
+        attention_dropout=0.0)  # fmt: skip
 
 
 class GroupedMMExperts(MoekitExperts):
-    """Experts as two ``torch._grouped_mm`` calls around SwiGLU × prob in eager PyTorch: the
-    grouped-GEMM stand-in, on MoekitExperts' parameters and state-dict layout."""
+    """Experts as two ``torch._grouped_mm`` calls around SwiGLU × prob in eager PyTorch
+    (torch_moe.py's): the grouped-GEMM stand-in, on MoekitExperts' parameters and layout."""
 
     def forward(self, x, tokens_per_expert, probs):
         offs = tokens_per_expert.to(x.device).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(x, self.fc1_weight.transpose(1, 2), offs=offs)
-        g, u = h.chunk(2, dim=-1)
-        a = (F.silu(g.float()) * u.float() * probs.float().unsqueeze(-1)).to(x.dtype)
-        return torch._grouped_mm(a, self.fc2_weight.transpose(1, 2), offs=offs), None
+        return torch_grouped_swiglu(x, offs, self.fc1_weight, self.fc2_weight, probs), None
 
 
 def layer_spec(backend: str):

@@ -1,11 +1,9 @@
 """The torch-native MoE layer that moekit is compared with: what a user writes today around
 ``torch._grouped_mm`` (no moekit import anywhere in this file).
 
-router: ``F.linear`` → softmax / sigmoid → (bias, group limit) → ``topk`` → gather, normalise;
-dispatch: ``argsort`` + ``index_select``; experts: ``torch._grouped_mm`` fc1 → SwiGLU × probs →
-fc2 (a per-expert loop on CPU or off bf16); combine: ``index_add_``. Counts by ``index_add_``
-(``torch.bincount`` would sync). Expert parallel: ``all_to_all_single`` (host split sizes),
-then a second argsort by local expert.
+router: ``F.linear`` → softmax / sigmoid → (bias, group limit) → ``topk``; dispatch:
+``argsort`` + ``index_select``; experts: ``torch._grouped_mm`` (a loop on CPU or off bf16);
+combine: ``index_add_`` (counts too: ``bincount`` would sync). EP: ``all_to_all_single``.
 """
 
 from __future__ import annotations
