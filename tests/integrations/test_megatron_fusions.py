@@ -85,6 +85,32 @@ def test_permute_and_unpermute_match_megatrons(case):
         assert got[0].shape[0] == num_out
 
 
+def test_pad_to_capacity_routes_a_token_to_more_than_k_experts():
+    """moe_pad_expert_input_to_capacity: each expert takes its top-capacity tokens, so a token
+    may go to more than moe_router_topk experts; every slot is kept, as Megatron's own
+    drop-and-pad permute keeps it."""
+    g = torch.Generator().manual_seed(8)
+    tokens, probs = torch.randn(T, H, generator=g), torch.rand(T, E, generator=g)
+    capacity = 6  # each expert's top-capacity tokens, as Megatron's router pads to capacity
+    top = probs.topk(capacity, dim=0).indices
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter(0, top, True)
+    assert int(routing_map.sum(1).max()) > K and int(routing_map.sum()) == capacity * E
+    probs = probs * routing_map
+    want = dispatch_round_trip(tokens, probs, routing_map, capacity * E, fused=False)
+    cfg = config(moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
+    with moekit_fusions(cfg, router=False):
+        got = dispatch_round_trip(tokens, probs, routing_map, capacity * E, fused=True)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_token_past_topk_raises():
+    tokens, probs, routing_map = routing(T, K + 1, 9)
+    match = "more than moe_router_topk = 2 experts"
+    with moekit_fusions(config(), router=False), pytest.raises(ValueError, match=match):
+        moe_utils.permute(tokens, routing_map, probs=probs, num_out_tokens=T * K, fused=True)
+
+
 def test_cut_rows_drop_their_slots():
     """num_out_tokens below the routed rows: the last rows of the expert order are dropped,
     and the unpermute sums only what is left (TransformerEngine's contract)."""

@@ -21,6 +21,7 @@ import torch
 from megatron.core.transformer.moe import moe_utils
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from moekit.config import debug_checks
 from moekit.ops import Dispatch, permute, sort_chunks_by_index, topk_routing, unpermute
 from moekit.ops.routing import routing_map_to_indices
 
@@ -40,11 +41,24 @@ def _permute(tokens, routing_map, num_out_tokens, probs, topk: int):
     """(rows [R, H], their probs [R] or None, RowMap): TransformerEngine's mask permute, each
     expert's tokens in token order, R = ``num_out_tokens`` (the first R rows of that order)."""
     T, E = routing_map.shape
+    _check_slots(routing_map, topk)
     indices, slot_probs = routing_map_to_indices(routing_map, probs, topk)
     rows = T * topk if num_out_tokens is None else int(num_out_tokens)
     d = permute(tokens, indices, slot_probs, num_experts=E, out_rows=rows)
     kept = dataclasses.replace(d, hidden=d.hidden.new_empty(0), probs=None)
     return d.hidden, d.probs, RowMap(kept, indices)
+
+
+def _check_slots(routing_map: torch.Tensor, topk: int) -> None:
+    """A token routed to more than ``topk`` experts would lose slots: a ValueError on the CPU,
+    a device-side assert under ``MOEKIT_DEBUG=1`` on a GPU (no host sync)."""
+    over = (routing_map != 0).sum(dim=1) > topk
+    msg = f"the routing map sends a token to more than moe_router_topk = {topk} experts"
+    if routing_map.device.type == "cpu":
+        if bool(over.any()):
+            raise ValueError(msg)
+    elif debug_checks():
+        torch._assert_async(~over.any(), msg)
 
 
 def _fused_permute(tokens, routing_map, num_out_tokens=None, *, topk: int):
@@ -154,9 +168,12 @@ def _installed(config: TransformerConfig, permute_on: bool, router_on: bool) -> 
     funcs: dict = {}
     if permute_on:
         _check_permute(config)
+        # Padded to capacity, each expert takes its top-capacity tokens: a token may be routed
+        # to more than moe_router_topk experts, up to all of them.
+        slots = config.num_moe_experts if config.moe_pad_expert_input_to_capacity else topk
         funcs.update(
-            fused_permute=functools.partial(_fused_permute, topk=topk),
-            fused_permute_with_probs=functools.partial(_fused_permute_with_probs, topk=topk),
+            fused_permute=functools.partial(_fused_permute, topk=slots),
+            fused_permute_with_probs=functools.partial(_fused_permute_with_probs, topk=slots),
             fused_unpermute=_unpermute, fused_sort_chunks_by_index=_sort_chunks,
             fused_sort_chunks_by_index_with_probs=_sort_chunks_with_probs,
         )  # fmt: skip
