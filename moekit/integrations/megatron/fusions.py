@@ -52,13 +52,15 @@ def _permute(tokens, routing_map, num_out_tokens, probs, topk: int):
 def _check_slots(routing_map: torch.Tensor, topk: int) -> None:
     """A token routed to more than ``topk`` experts would lose slots: a ValueError on the CPU,
     a device-side assert under ``MOEKIT_DEBUG=1`` on a GPU (no host sync)."""
-    over = (routing_map != 0).sum(dim=1) > topk
+    on_cpu = routing_map.device.type == "cpu"
+    if not on_cpu and not debug_checks():
+        return
+    over = ((routing_map != 0).sum(dim=1) > topk).any()
     msg = f"the routing map sends a token to more than moe_router_topk = {topk} experts"
-    if routing_map.device.type == "cpu":
-        if bool(over.any()):
-            raise ValueError(msg)
-    elif debug_checks():
-        torch._assert_async(~over.any(), msg)
+    if on_cpu and bool(over):
+        raise ValueError(msg)
+    if not on_cpu:
+        torch._assert_async(~over, msg)
 
 
 def _fused_permute(tokens, routing_map, num_out_tokens=None, *, topk: int):
