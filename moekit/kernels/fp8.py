@@ -253,6 +253,17 @@ def quantize_fp8_rowwise(
 
 
 @triton.jit
+def _x_chunk(x_ptr, pid_m, c, cols, M, K, stride_x_m, stride_x_k, CHUNK: tl.constexpr,
+             BLOCK_M: tl.constexpr):  # fmt: skip
+    """(rows, mask, fp32 values, zero outside the mask) of row chunk ``c`` of the BLOCK_M-row
+    block ``pid_m`` of x [M, K], at the columns ``cols``."""
+    rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m + cols[None, :] * stride_x_k
+    return rows, mask, tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _quantize_fp8_two_ways_kernel(
     x_ptr,  # in: x [M, K]
     q_ptr, s_ptr, qt_ptr, st_ptr,  # out: q [M, K] u8 + s [M, K/128]; qt [K, M] u8 + st [M/128, K]
@@ -270,20 +281,16 @@ def _quantize_fp8_two_ways_kernel(
     col_in = cols < K
     cmax = tl.zeros((CHUNK, BLOCK_K), dtype=tl.float32)
     for c in range(BLOCK_M // CHUNK):
-        rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
-        mask = (rows < M)[:, None] & col_in[None, :]
-        xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m + cols[None, :] * stride_x_k
-        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        rows, mask, x = _x_chunk(x_ptr, pid_m, c, cols, M, K, stride_x_m, stride_x_k, CHUNK,
+                                 BLOCK_M)  # fmt: skip
         store_fp8_rows(q_ptr, s_ptr, x, rows, cols, mask, mask, rows < M, stride_q, stride_s,
                        pid_k, POW2)  # fmt: skip
         cmax = col_amax_step(cmax, x, mask)
     scale, inv = e4m3_scale(tl.max(cmax, axis=0), POW2)
     tl.store(st_ptr + pid_m * stride_st + cols, scale, mask=col_in)
     for c in range(BLOCK_M // CHUNK):
-        rows = pid_m * BLOCK_M + c * CHUNK + tl.arange(0, CHUNK)
-        mask = (rows < M)[:, None] & col_in[None, :]
-        xp = x_ptr + rows.to(tl.int64)[:, None] * stride_x_m + cols[None, :] * stride_x_k
-        x = tl.load(xp, mask=mask, other=0.0).to(tl.float32)
+        rows, mask, x = _x_chunk(x_ptr, pid_m, c, cols, M, K, stride_x_m, stride_x_k, CHUNK,
+                                 BLOCK_M)  # fmt: skip
         store_fp8_cols(qt_ptr, x, cols, rows, mask, inv, stride_qt)
 
 

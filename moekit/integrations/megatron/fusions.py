@@ -72,9 +72,12 @@ def _fused_permute_with_probs(tokens, probs, routing_map, num_out_tokens=None, *
     return _permute(tokens, routing_map, num_out_tokens, probs, topk)
 
 
-def _unpermute(permuted_tokens, row_id_map: RowMap, merging_probs=None, restore_shape=None, **_):
+def _unpermute(permuted_tokens, row_id_map: RowMap, merging_probs=None, restore_shape=None,
+               pad_offsets=None):  # fmt: skip
     """tokens [T, H]: each token's rows summed back, weighted by ``merging_probs [T, E]`` at
     their experts when given; in fp32, returned in the rows' dtype."""
+    if pad_offsets is not None:  # only from TransformerEngine's own permute-and-pad
+        raise ValueError("moekit's fused unpermute takes no pad_offsets")
     d, experts = row_id_map
     shape = None if restore_shape is None else (*restore_shape[:-1], permuted_tokens.shape[-1])
     if merging_probs is None:
