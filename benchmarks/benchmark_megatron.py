@@ -3,12 +3,13 @@ Megatron's SequentialMLP and a torch._grouped_mm experts stand-in, side by side 
 
     python benchmarks/benchmark_megatron.py [--shapes qwen3_30b_a3b] [--layers 2] [--out DIR]
 
-Per shape (megatron_gpt.py): the step's ms with each backend, with moekit's experts and
-Megatron's permute and router fused by moekit (``moekit_fusions``), and with no experts (the
-ceiling); the experts' share (step − ceiling), one layer's experts alone on the rows Megatron
-gave it;
-medians of CUDA-event timed steps, in turns. Targets: step ≥ 5× SequentialMLP at Qwen3,
-experts ≥ 1.5× the _grouped_mm stand-in.
+Per shape (megatron_gpt.py): the step's ms with each backend, and with moekit's experts and
+Megatron's permute and router fused by moekit (``moekit_fusions``); the MoE layers' own GPU time
+within the step (CUDA events at each layer's boundaries, forward and backward) and the step's
+ceiling, the step with that time taken out; one layer's experts alone on the rows Megatron
+gave it, beside the dense GEMM ceiling of the same work (its six GEMMs as torch.mm over every
+row). Medians of CUDA-event timed steps, in turns. Targets: step ≥ 5× SequentialMLP at Qwen3,
+MoE layers ≥ 1.5× the _grouped_mm stand-in's.
 """
 
 from __future__ import annotations
@@ -21,17 +22,61 @@ import common as bc
 import megatron_gpt as mgpt
 import torch
 
-from moekit.integrations.megatron import MoekitExperts, moekit_fusions, with_moekit_experts
+from moekit.integrations.megatron import moekit_fusions
 
 TOKENS = 8192  # per step: micro-batch 4 × sequence 2048
 SEQ, VOCAB = 2048, 32768
 
 
-class NoExperts(MoekitExperts):
-    """The ceiling: the step with no expert computation (the rows come back as they went)."""
+class MoELayerClock:
+    """GPU ms inside a model's MoE layers, forward and backward, step by step: CUDA events at
+    each layer's input and output, and at their gradients (the input's gradient is complete
+    when the layer's backward is)."""
 
-    def forward(self, x, tokens_per_expert, probs):
-        return x * probs.unsqueeze(-1).to(x.dtype), None
+    def __init__(self, model) -> None:
+        self.spans: list[tuple] = []
+        self._open = None
+        self.layers = len(model.decoder.layers)
+        self._handles = []
+        for layer in model.decoder.layers:
+            self._handles.append(layer.mlp.register_forward_pre_hook(self._enter, with_kwargs=True))
+            self._handles.append(layer.mlp.register_forward_hook(self._leave))
+
+    @staticmethod
+    def _event() -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _enter(self, _module, args, kwargs) -> None:
+        x = args[0] if args else kwargs["hidden_states"]
+        self._open = self._event()
+        if x.requires_grad:
+            x.register_hook(self._close)
+
+    def _leave(self, _module, _args, out) -> None:
+        self._close()
+        y = out[0] if isinstance(out, tuple) else out
+        if y.requires_grad:
+            y.register_hook(self._reopen)
+
+    def _reopen(self, _grad=None) -> None:
+        self._open = self._event()
+
+    def _close(self, _grad=None) -> None:
+        self.spans.append((self._open, self._event()))
+
+    def step_ms(self, skip: int = 0) -> list[float]:
+        """ms of each step since the last call (after ``skip`` untimed steps), synchronising."""
+        torch.cuda.synchronize()
+        per_step = 2 * self.layers
+        ms = [s.elapsed_time(e) for s, e in self.spans[skip * per_step :]]
+        self.spans.clear()
+        return [sum(ms[i : i + per_step]) for i in range(0, len(ms), per_step)]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
 
 def step_fn(model, data):
@@ -70,13 +115,34 @@ def experts_ms(experts, args) -> float:
     return bc.bench_ms(run)
 
 
-def timed_steps(fns: dict, rounds: int, per_round: int) -> dict[str, list[float]]:
-    """ms of each step function, ``per_round`` CUDA-event timed calls per round, in turns (the
-    round's first call untimed: the allocator, autotuning on the first round)."""
-    times = {name: [] for name in fns}
+def dense_gemm_ms(experts, args) -> float:
+    """ms of the experts' six GEMMs (forward fc1 and fc2, their input and weight gradients) as
+    dense torch.mm over every row with one expert's weights, no activation: the GEMM ceiling of
+    any experts backend on these rows."""
+    x = args[0]
+    w1, w2 = experts.fc1_weight[0].detach(), experts.fc2_weight[0].detach()  # [2F, H], [H, F]
+    a = torch.randn(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+    dy, dh = torch.randn_like(x), x @ w1.t()
+
+    def run():
+        x @ w1.t(), a @ w2.t(), dy @ w2, dy.t() @ a, dh @ w1, dh.t() @ x
+
+    return bc.bench_ms(run)
+
+
+def timed_steps(models: dict, data, rounds: int, per_round: int) -> tuple[dict, dict]:
+    """({name: step ms}, {name: MoE layers' ms}) of each model, ``per_round`` CUDA-event timed
+    steps per round, in turns (the round's first step untimed: the allocator, autotuning on
+    the first round)."""
+    fns = {name: step_fn(m, data) for name, m in models.items()}
+    clocks = {name: MoELayerClock(m) for name, m in models.items()}
+    steps, moe = {name: [] for name in fns}, {name: [] for name in fns}
     for _, (name, fn) in itertools.product(range(rounds), fns.items()):
-        times[name] += bc.event_ms(fn, per_round, warmup=1)
-    return times
+        steps[name] += bc.event_ms(fn, per_round, warmup=1)
+        moe[name] += clocks[name].step_ms(skip=1)
+    for clock in clocks.values():
+        clock.remove()
+    return steps, moe
 
 
 def run_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
@@ -84,31 +150,33 @@ def run_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
     data = mgpt.batch(cfg, VOCAB, TOKENS // SEQ, SEQ)
     torch.manual_seed(0)
     models = {b: mgpt.build_gpt(cfg, b, VOCAB, SEQ) for b in mgpt.BACKENDS}
-    spec = with_moekit_experts(mgpt.layer_spec("sequential"), NoExperts)
-    models["ceiling"] = mgpt.GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                                      position_embedding_type="rope").cuda()  # fmt: skip
     # moekit's experts with Megatron's permute and router fused by moekit (moekit_fusions): the
     # other models' configs keep the flags off, so they run Megatron's unfused code as before
     with moekit_fusions(mgpt.gpt_config(shape, layers, torch.bfloat16)) as fused_cfg:
         models["moekit_fused"] = mgpt.build_gpt(fused_cfg, "moekit", VOCAB, SEQ)
-        times = timed_steps({n: step_fn(m, data) for n, m in models.items()}, rounds, per_round)
+        times, moe_times = timed_steps(models, data, rounds, per_round)
     ms = {n: statistics.median(t) for n, t in times.items()}
+    moe = {n: statistics.median(t) for n, t in moe_times.items()}
+    rest = statistics.median(ms[n] - moe[n] for n in ms)  # the step without its MoE layers
     args = experts_inputs(models["moekit"], data)
     alone = {n: experts_ms(models[n].decoder.layers[0].mlp.experts, args) for n in mgpt.BACKENDS}
-    experts = {n: ms[n] - ms["ceiling"] for n in mgpt.BACKENDS}
+    dense = dense_gemm_ms(models["moekit"].decoder.layers[0].mlp.experts, args)
     row = {"shape": shape, "layers": layers, "tokens": TOKENS,
            **{f"{n}_ms": v for n, v in ms.items()},
            **{f"{n}_spread_ms": max(t) - min(t) for n, t in times.items()},
-           **{f"{n}_experts_ms": v for n, v in experts.items()},
+           **{f"{n}_moe_ms": v for n, v in moe.items()},
+           "rest_ms": rest,
            "step_x_sequential": ms["sequential"] / ms["moekit"],
-           "fused_x_moekit": ms["moekit"] / ms["moekit_fused"],
+           "fused_x_sequential": ms["sequential"] / ms["moekit_fused"],
+           "ceiling_x_sequential": ms["sequential"] / rest,
            "step_x_grouped_mm": ms["grouped_mm"] / ms["moekit"],
-           "ceiling_x_sequential": ms["sequential"] / ms["ceiling"],
-           "experts_x_grouped_mm": experts["grouped_mm"] / experts["moekit"],
-           "experts_x_sequential": experts["sequential"] / experts["moekit"],
+           "moe_x_grouped_mm": moe["grouped_mm"] / moe["moekit"],
+           "fused_moe_x_grouped_mm": moe["grouped_mm"] / moe["moekit_fused"],
            **{f"{n}_experts_alone_ms": v for n, v in alone.items()},
+           "dense_gemm_ms": dense,
            "alone_x_grouped_mm": alone["grouped_mm"] / alone["moekit"],
-           "alone_x_sequential": alone["sequential"] / alone["moekit"]}  # fmt: skip
+           "alone_x_sequential": alone["sequential"] / alone["moekit"],
+           "ceiling_alone_x_grouped_mm": alone["grouped_mm"] / dense}  # fmt: skip
     del models
     return row
 
@@ -128,18 +196,18 @@ def main(argv=None) -> int:
              for s in args.shapes]  # fmt: skip
     rows, skipped, failed = bc.run_cases(cases)
     data = {**bc.meta(True, layers=args.layers, failed=failed, skipped=skipped), "rows": rows}
-    cols = ["shape", ("moekit ms", "moekit_ms"), ("sequential ms", "sequential_ms"),
-            ("grouped_mm ms", "grouped_mm_ms"), ("ceiling ms", "ceiling_ms"),
-            ("× sequential", "step_x_sequential"), ("ceiling × seq", "ceiling_x_sequential"),
-            ("+fusions ms", "moekit_fused_ms"), ("fusions ×", "fused_x_moekit"),
-            ("× grouped_mm", "step_x_grouped_mm"), ("experts ms", "moekit_experts_ms"),
-            ("gmm experts ms", "grouped_mm_experts_ms"),
-            ("experts × gmm", "experts_x_grouped_mm"),
-            ("1 layer's experts ms", "moekit_experts_alone_ms"),
-            ("alone × gmm", "alone_x_grouped_mm"), ("alone × seq", "alone_x_sequential")]  # fmt: skip
+    cols = ["shape", ("moekit ms", "moekit_ms"), ("+fusions ms", "moekit_fused_ms"),
+            ("sequential ms", "sequential_ms"), ("grouped_mm ms", "grouped_mm_ms"),
+            ("× seq", "step_x_sequential"), ("+fusions × seq", "fused_x_sequential"),
+            ("ceiling × seq", "ceiling_x_sequential"), ("MoE ms", "moekit_moe_ms"),
+            ("+fusions MoE ms", "moekit_fused_moe_ms"), ("gmm MoE ms", "grouped_mm_moe_ms"),
+            ("MoE × gmm", "moe_x_grouped_mm"), ("+fusions MoE × gmm", "fused_moe_x_grouped_mm"),
+            ("experts alone ms", "moekit_experts_alone_ms"),
+            ("alone × gmm", "alone_x_grouped_mm"), ("alone × seq", "alone_x_sequential"),
+            ("GEMM ceiling × gmm", "ceiling_alone_x_grouped_mm")]  # fmt: skip
     panels = [bc.bars(rows, {"moekit": "moekit_ms", "moekit + fusions": "moekit_fused_ms",
-                             "SequentialMLP": "sequential_ms",
-                             "_grouped_mm": "grouped_mm_ms", "no experts": "ceiling_ms"},
+                             "SequentialMLP": "sequential_ms", "_grouped_mm": "grouped_mm_ms",
+                             "without MoE layers": "rest_ms"},
                       "step ms (lower is better)")]  # fmt: skip
     bc.finish(args.out, "megatron", data, cols, panels, "Megatron-Core GPT-MoE step, bf16")
     return 0

@@ -19,7 +19,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 $PY -c "import megatron.core, torch; print('megatron-core', megatron.core.__version__, 'torch', torch.__version__)"
 if [ "${TESTS:-1}" != 0 ]; then
   # one process per file: each sets up its own Megatron parallel state (GPU: NCCL, CPU: gloo)
-  for t in test_megatron_gpu test_megatron; do
+  for t in test_megatron_gpu test_megatron test_megatron_fusions; do
     timeout "${TEST_S:-240}" $PY -m pytest -q -p no:cacheprovider -W ignore \
       "tests/integrations/$t.py" > "$OUT/$t.log" 2>&1
     echo "$t: exit $?"; grep -E "passed|failed|^FAILED|^ERROR|^E  " "$OUT/$t.log" | tail -12

@@ -6,8 +6,10 @@ ways; the sharded state dict tensor by tensor; the spec helper; the options it d
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,7 +20,21 @@ mg = pytest.importorskip("moekit.integrations.megatron")
 
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.activations import squared_relu  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+from megatron.core.dist_checkpointing.dict_utils import (  # noqa: E402
+    dict_list_map_inplace,
+    nested_values,
+)
+from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
+    ShardedTensor,
+    ShardedTensorFactory,
+    apply_factories,
+    apply_factory_merges,
+)
+from megatron.core.dist_checkpointing.optimizer import (  # noqa: E402
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding  # noqa: E402
 from megatron.core.fusions.fused_bias_geglu import quick_gelu  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
@@ -229,27 +245,100 @@ def test_state_dict_layout_and_round_trip():
         ours.load_state_dict({k: v for k, v in sd.items() if k != "linear_fc2.bias2"})
 
 
-def _sharded(module, prefix):
-    """{ShardedTensor key: (global shape, global offset, replica id)} per tensor, factories
-    by their key and data shape, objects by key, global shape and offset."""
+PREFIX = "decoder.layers.0.mlp.experts."
+
+
+def built(sharded: dict) -> dict:
+    """{(key, global offset): (global shape, replica id, data)} of every sharded tensor a
+    sharded state dict gives once its factories are built (objects: the key, no data)."""
+    sharded = copy.copy(sharded)
+    apply_factories(sharded)
     out = {}
-    for sh in module.sharded_state_dict(prefix=prefix).values():
+    for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor):
-            out[(sh.key, sh.global_offset)] = (sh.global_shape, sh.replica_id)
+            out[sh.key, sh.global_offset] = (sh.global_shape, sh.replica_id, sh.data)
         else:
-            data = getattr(sh, "data", None)
-            shape = getattr(sh, "global_shape", None) or tuple(getattr(data, "shape", ()))
-            out[(sh.key, getattr(sh, "global_offset", None), type(sh).__name__,
-                 tuple(shape))] = sh.replica_id  # fmt: skip
+            out[sh.key, type(sh).__name__] = (sh.global_shape, sh.replica_id, None)
     return out
 
 
+def assert_same_sharding(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k, (shape, replica, data) in want.items():
+        assert got[k][:2] == (shape, replica), k
+        if data is not None:
+            assert torch.equal(got[k][2], data), k
+
+
+def layer_sharded(module, metadata: dict | None = None) -> dict:
+    """The module's sharded state dict as a TransformerBlock hands it on: the layer number
+    taken out of the keys (it is an axis of the sharded offsets there)."""
+    sharded = module.sharded_state_dict(PREFIX, metadata=metadata)
+    replace_prefix_for_sharding(sharded, "decoder.layers.0.", "decoder.layers.")
+    return sharded
+
+
+@pytest.mark.parametrize("singleton", [False, True], ids=["stacked_keys", "singleton_shards"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_sharded_state_dict_matches_sequential(bias):
+def test_sharded_state_dict_matches_sequential(bias, singleton):
     seq, ours = pair(config(add_bias_linear=bias))
-    prefix = "decoder.layers.0.mlp.experts."
-    assert _sharded(ours, prefix) == _sharded(seq, prefix)
-    assert all(k.startswith(prefix + "linear_fc") for k in ours.sharded_state_dict(prefix))
+    metadata = {"singleton_local_shards": singleton}
+    sharded = layer_sharded(ours, metadata)
+    assert all(k.startswith(PREFIX + "linear_fc") for k in sharded)
+    assert_same_sharding(built(sharded), built(layer_sharded(seq, metadata)))
+    # what a distributed checkpoint loads (each tensor's data) merges back into the stacks
+    loaded = copy.copy(sharded)
+    apply_factories(loaded)
+    loaded = dict_list_map_inplace(
+        lambda sh: sh.data.clone() * 2 if isinstance(sh, ShardedTensor) else None, loaded
+    )
+    apply_factory_merges(loaded, {k: v for k, v in sharded.items()  # as Megatron's load does
+                                  if isinstance(v, ShardedTensorFactory)})  # fmt: skip
+    assert loaded[PREFIX + "linear_fc1.weight"].shape == ours.fc1_weight.shape
+    ours.load_state_dict({k[len(PREFIX) :]: v for k, v in loaded.items()})
+    for name, p in seq.named_parameters():
+        want = mg.sequential_to_grouped({name: p})
+        for k, v in want.items():
+            assert torch.equal(ours.state_dict()[k], 2 * v), k
+
+
+def _adam_state(module, grads: dict) -> dict:
+    """Megatron's sharded optimizer state (``get_param_id_to_sharded_param_map`` and
+    ``optim_state_to_sharding_state``, as its optimizers build it) of one Adam step of
+    ``module`` on ``grads`` (keyed by moekit's state-dict layout), built."""
+    for name, p in module.named_parameters():
+        if isinstance(module, SequentialMLP):  # the expert's key in moekit's layout
+            p.grad = grads[next(iter(mg.sequential_to_grouped({name: None})))].clone()
+        else:
+            fc = {"fc1_weight": "linear_fc1.weight", "fc2_weight": "linear_fc2.weight",
+                  "fc1_bias": "linear_fc1.bias", "fc2_bias": "linear_fc2.bias"}[name]  # fmt: skip
+            p.grad = torch.stack([grads[f"{fc}{i}"] for i in range(E)])
+    params = list(module.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    opt.step()
+    state = opt.state_dict()
+    ids = get_param_id_to_sharded_param_map(layer_sharded(module), params)
+    optim_state_to_sharding_state(state, ids, exclude_keys="step")  # as Megatron's optimizers
+    return built(state["state"])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_optimizer_state_is_sharded_as_sequentials(bias):
+    """Megatron's optimizers find the stacked parameters' states through the factories: the
+    sharded Adam state names, shapes and values SequentialMLP's experts' state the same."""
+    seq, ours = pair(config(add_bias_linear=bias))
+    g = torch.Generator().manual_seed(4)
+    grads = {k: torch.randn(v.shape, generator=g) for k, v in ours.state_dict().items()}
+    got, want = _adam_state(ours, grads), _adam_state(seq, grads)
+    assert any(k[0].startswith("optimizer.state.exp_avg.") for k in got)
+    assert_same_sharding(got, want)
+
+
+def test_flattened_optimizer_format_is_declined():
+    _, ours = pair(config())
+    factory = ours.sharded_state_dict(PREFIX)[PREFIX + "linear_fc1.weight"]
+    with pytest.raises(ValueError, match="fully_reshardable"):
+        replace(factory, flattened_range=slice(0, 8)).build()
 
 
 def test_spec_helper_swaps_the_experts():

@@ -69,9 +69,12 @@ def dispatch_round_trip(tokens, probs, routing_map, num_out, fused: bool):
 def test_permute_and_unpermute_match_megatrons(case):
     n, k = case.get("T", T), case.get("k", K)
     tokens, probs, routing_map = routing(n, k, 0, case.get("fewer", False), case.get("idle"))
-    num_out = int(routing_map.sum()) - case.get("drop", 0)
-    want = dispatch_round_trip(tokens, probs, routing_map, num_out, fused=False)
-    if case.get("drop"):  # Megatron's unfused permute has no num_out_tokens cut: cut by hand
+    routed = int(routing_map.sum())
+    num_out = routed - case.get("drop", 0)
+    # Megatron's unfused permute has no num_out_tokens cut (0.16 ignores it, 0.19 keeps the
+    # probs uncut): it permutes every routed row and the cut is made by hand
+    want = dispatch_round_trip(tokens, probs, routing_map, routed, fused=False)
+    if case.get("drop"):
         keep = num_out
         want = (want[0][:keep], want[1][:keep], *want[2:])
     with moekit_fusions(config(moe_router_topk=k, moe_router_pre_softmax=k == 1), router=False):
@@ -120,7 +123,8 @@ def test_cut_rows_drop_their_slots():
         rows, _, mapping = moe_utils.permute(tokens, routing_map, probs=probs,
                                              num_out_tokens=num_out, fused=True)[:3]  # fmt: skip
         out = moe_utils.unpermute(rows, mapping, tokens.shape, probs=probs, fused=True)
-    full, _, full_map = moe_utils.permute(tokens, routing_map, probs=probs)[:3]
+    full, _, full_map = moe_utils.permute(tokens, routing_map, probs=probs,
+                                          num_out_tokens=int(routing_map.sum()))[:3]  # fmt: skip
     expert_of_row = routing_map.T.nonzero()[:, 0]
     kept = torch.zeros(T, E, dtype=torch.bool)
     kept[full_map[:num_out], expert_of_row[:num_out]] = True

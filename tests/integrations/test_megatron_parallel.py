@@ -61,14 +61,19 @@ def _unsplit(x, counts, probs, w1, w2):
 
 
 def _sharded(module) -> dict:
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    """{(key, global offset): (global shape, replica id, data)} of the module's sharded
+    tensors, factories built (objects: key and type)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+    sharded = module.sharded_state_dict(prefix="decoder.layers.0.mlp.experts.")
+    apply_factories(sharded)
     out = {}
-    for sh in module.sharded_state_dict(prefix="decoder.layers.0.mlp.experts.").values():
+    for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor):
-            out[(sh.key, sh.global_offset)] = (sh.global_shape, sh.replica_id)
+            out[sh.key, sh.global_offset] = (sh.global_shape, sh.replica_id, sh.data.tolist())
         else:
-            out[(sh.key, type(sh).__name__, getattr(sh, "global_offset", None))] = sh.replica_id
+            out[sh.key, type(sh).__name__] = sh.replica_id
     return out
 
 

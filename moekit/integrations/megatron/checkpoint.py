@@ -10,13 +10,20 @@
   per-expert offsets, tensor-parallel splits (fc1's [gate | up] halves split separately, as
   Megatron's SwiGLU factory does) and replica ids, so a distributed checkpoint saved with either
   backend (or with ``TEGroupedMLP``, whose sharded keys are the same) loads into the other.
+  Each stacked parameter is one ``ShardedTensorFactory`` whose data is the parameter: Megatron's
+  optimizers map their state to sharded tensors by parameter, so the optimizer state (Adam's
+  moments, the fp32 master copy) is split expert by expert the same way and loads across
+  backends too; a distributed checkpoint loads back as stacked tensors, which
+  ``load_grouped`` takes beside the per-expert keys.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
@@ -48,9 +55,15 @@ def grouped_tensors(experts) -> dict[str, torch.Tensor]:
 
 
 def load_grouped(experts, state_dict, prefix, strict, missing_keys, unexpected_keys, error_msgs):
-    """``nn.Module._load_from_state_dict`` for the TEGroupedMLP layout: each expert's tensor
-    copied into its slice of the stacked parameter."""
+    """``nn.Module._load_from_state_dict`` for the TEGroupedMLP layout (each expert's tensor
+    copied into its slice of the stacked parameter) or the stacked tensors a distributed
+    checkpoint loads (``linear_fc1.weight`` [E, 2F, H]...)."""
     expected = grouped_tensors(experts)
+    stacked = {k: p for k, p in _params(experts).items() if p is not None}
+    for name, param in stacked.items():
+        if prefix + name in state_dict:  # the whole stacked tensor: its experts' entries
+            expected = {k: v for k, v in expected.items() if not _is_expert_of(k, name)}
+            expected[name] = param
     with torch.no_grad():
         for key, dst in expected.items():
             src = state_dict.get(prefix + key)
@@ -70,37 +83,97 @@ def load_grouped(experts, state_dict, prefix, strict, missing_keys, unexpected_k
                 unexpected_keys.append(key)
 
 
+def _is_expert_of(key: str, name: str) -> bool:
+    """Whether ``key`` is one expert's entry (``linear_fc1.weight3``) of parameter ``name``."""
+    return key.startswith(name) and key[len(name) :].isdigit()
+
+
 def sharded_experts(experts, prefix: str, sharded_offsets: tuple, metadata: dict | None) -> dict:
-    """The sharded state dict (see the module docstring), keyed by the state dict's keys."""
+    """The sharded state dict (see the module docstring): a factory per stacked parameter, at
+    ``prefix + "linear_fc1.weight"``..., and the linears' extra-state objects."""
     metadata = ensure_metadata_has_dp_cp_group(metadata)
-    singleton = metadata.get("singleton_local_shards", False)
+    per_expert = [_expert_sharded(experts, i, prefix, sharded_offsets, metadata)
+                  for i in range(experts.num_local_experts)]  # fmt: skip
+    out = {}
+    for name, param in _params(experts).items():
+        if param is not None:  # one factory per stacked parameter
+            templates = [sd.pop(name) for sd in per_expert]
+            key = f"{prefix}experts.{name}"  # SequentialMLP's, every expert's in one
+            out[prefix + name] = _stacked_factory(experts, name, key, param, templates)
+    for i, sd in enumerate(per_expert):
+        out.update({f"{prefix}{name}{i}": obj for name, obj in sd.items()})
+    return out
+
+
+def _expert_sharded(experts, i: int, prefix: str, sharded_offsets: tuple, metadata: dict) -> dict:
+    """Local expert ``i``'s sharded tensors as ``SequentialMLP``'s expert ``i`` gives them,
+    keyed ``"linear_fc1.weight"``... (and ``"linear_fc1._extra_state"``...)."""
     E = experts.num_local_experts
     num_global, first = experts.ep_group.size() * E, experts.ep_group.rank() * E
-    gated = experts.options.activation.gated
+    if metadata.get("singleton_local_shards", False):
+        sh_prefix, offsets = f"{prefix}experts.{first + i}.", tuple(sharded_offsets)
+    else:
+        expert_axis = (len(sharded_offsets), first + i, num_global)
+        sh_prefix, offsets = f"{prefix}experts.", (*sharded_offsets, expert_axis)
     params = _params(experts)
     out = {}
-    for i in range(E):
-        if singleton:
-            sh_prefix, offsets = f"{prefix}experts.{first + i}.", tuple(sharded_offsets)
-        else:
-            expert_axis = (len(sharded_offsets), first + i, num_global)
-            sh_prefix, offsets = f"{prefix}experts.", (*sharded_offsets, expert_axis)
-        for fc, tp_axes in _TP_AXES.items():
-            tensors = {"_extra_state": None}
-            tensors.update({kind: params[f"{fc}.{kind}"][i] for kind in ("weight", "bias")
-                            if params[f"{fc}.{kind}"] is not None})  # fmt: skip
-            sd = make_sharded_tensors_for_checkpoint(
-                tensors, f"{sh_prefix}{fc}.", tp_axes, offsets, tp_group=experts.tp_group,
-                dp_cp_group=metadata["dp_cp_group"],
-            )  # fmt: skip
-            for kind in ("weight", "bias"):
-                key = f"{sh_prefix}{fc}.{kind}"
-                if gated and fc == "linear_fc1" and key in sd:
-                    sd[key] = apply_swiglu_sharded_factory(sd[key], offsets, singleton)
-            for key, sh in sd.items():
-                sh.replica_id = (*sh.replica_id[:2], experts.dp_group.rank())
-                out[f"{prefix}{fc}.{key[len(sh_prefix) + len(fc) + 1 :]}{i}"] = sh
+    for fc, tp_axes in _TP_AXES.items():
+        tensors = {"_extra_state": None}
+        tensors.update({kind: params[f"{fc}.{kind}"][i] for kind in ("weight", "bias")
+                        if params[f"{fc}.{kind}"] is not None})  # fmt: skip
+        sd = make_sharded_tensors_for_checkpoint(
+            tensors, f"{sh_prefix}{fc}.", tp_axes, offsets, tp_group=experts.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )  # fmt: skip
+        for kind in tensors:
+            sh = sd[f"{sh_prefix}{fc}.{kind}"]
+            sh.replica_id = (*sh.replica_id[:2], experts.dp_group.rank())
+            if kind != "_extra_state" and fc == "linear_fc1" and experts.options.activation.gated:
+                singleton = metadata.get("singleton_local_shards", False)
+                sh = apply_swiglu_sharded_factory(sh, offsets, singleton)
+            out[f"{fc}.{kind}"] = sh
     return out
+
+
+def _stacked_factory(
+    experts, name: str, key: str, param: torch.Tensor, templates: list
+) -> ShardedTensorFactory:
+    """The factory of the stacked [E, ...] parameter ``name``, under ``SequentialMLP``'s
+    sharded key ``key`` (``…experts.experts.linear_fc1.weight``). Its ``data`` is the parameter
+    itself, which is how Megatron's optimizers find the parameter's entry. ``build`` gives, for
+    whatever tensor of the parameter's shape it is handed (the parameter, or an optimizer state
+    of it) and the key it is handed (Megatron renames keys: the layer number taken out, an
+    optimizer's prefix put in front), one sharded tensor per expert laid out as ``templates``
+    (from the parameter's own slices); ``merge`` stacks what was loaded back."""
+    first = experts.ep_group.rank() * experts.num_local_experts
+    singleton = templates[0].key != key  # singleton_local_shards: one key per expert
+
+    def build(build_key: str, data: torch.Tensor, replica_id, flattened_range) -> list:
+        if flattened_range is not None:
+            raise ValueError(
+                f"{build_key}: moekit's experts cannot be saved in a flattened optimizer format "
+                "(the distributed optimizer's 'fully_sharded_model_space'); save with "
+                "metadata={'distrib_optim_sharding_type': 'fully_reshardable'} or "
+                "'dp_reshardable'"
+            )
+        head = build_key[: len(build_key) - len(f"experts.{name}")]
+        keys = [f"{head}experts.{first + i}.{name}" if singleton else build_key
+                for i in range(len(templates))]  # fmt: skip
+        return [_expert_entry(t, k, data[i], replica_id)
+                for i, (t, k) in enumerate(zip(templates, keys, strict=True))]  # fmt: skip
+
+    def merge(loaded: list) -> torch.Tensor:
+        return torch.stack([torch.cat(x) if isinstance(x, list) else x for x in loaded])
+
+    return ShardedTensorFactory(key, param, build, merge, templates[0].replica_id)
+
+
+def _expert_entry(template, key: str, data: torch.Tensor, replica_id):
+    """``template`` (one expert's sharded tensor, or the SwiGLU factory of its gate and up
+    halves) over ``data`` under ``key``, built."""
+    if isinstance(template, ShardedTensorFactory):
+        return replace(template, key=key, data=data, replica_id=replica_id).build()
+    return replace(template, key=key, data=data, dtype=data.dtype, replica_id=replica_id)
 
 
 def _rename(state_dict: dict, pattern: re.Pattern, entries) -> dict:
