@@ -2,6 +2,7 @@
 Megatron's SequentialMLP and a torch._grouped_mm experts stand-in, side by side in one run.
 
     python benchmarks/benchmark_megatron.py [--shapes qwen3_30b_a3b] [--layers 2] [--out DIR]
+    torchrun --nproc_per_node=4 benchmarks/benchmark_megatron.py --ep     (expert parallelism)
 
 Per shape (megatron_gpt.py): the step's ms with each backend, and with moekit's experts and
 Megatron's permute and router fused by moekit (``moekit_fusions``); the MoE layers' own GPU time
@@ -10,17 +11,23 @@ ceiling, the step with that time taken out; one layer's experts alone on the row
 gave it, beside the dense GEMM ceiling of the same work (its six GEMMs as torch.mm over every
 row). Medians of CUDA-event timed steps, in turns. Targets: step ≥ 5× SequentialMLP at Qwen3,
 MoE layers ≥ 1.5× the _grouped_mm stand-in's.
+
+With --ep, under torchrun: moekit's step (with and without the fusions) at expert parallelism =
+the world size against EP 1 (each rank every expert, no communication), each rank its own
+8192 tokens: tokens/s per GPU (the slowest rank's step) and their ratio, the weak-scaling figure.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import statistics
 import sys
 
 import common as bc
 import megatron_gpt as mgpt
 import torch
+import torch.distributed as dist
 
 from moekit.integrations.megatron import moekit_fusions
 
@@ -181,16 +188,67 @@ def run_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
     return row
 
 
+def run_ep_shape(shape: str, layers: int, rounds: int, per_round: int) -> dict:
+    """moekit's step at EP = the world size and at EP 1, each rank on its own batch."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    row = {"shape": shape, "layers": layers, "tokens_per_gpu": TOKENS, "ep": world}
+    for ep in sorted({1, world}):
+        mgpt.set_expert_parallel(ep)
+        cfg = mgpt.gpt_config(shape, layers, torch.bfloat16, ep=ep)
+        data = mgpt.batch(cfg, VOCAB, TOKENS // SEQ, SEQ, seed=rank)
+        models = {"moekit": mgpt.build_gpt(cfg, "moekit", VOCAB, SEQ)}
+        with moekit_fusions(mgpt.gpt_config(shape, layers, torch.bfloat16, ep=ep)) as fused_cfg:
+            models["moekit_fused"] = mgpt.build_gpt(fused_cfg, "moekit", VOCAB, SEQ)
+            times, moe = timed_steps(models, data, rounds, per_round)
+        for name in models:
+            ms = bc.over_ranks(statistics.median(times[name]))
+            row[f"{name}_ep{ep}_ms"] = ms
+            row[f"{name}_ep{ep}_moe_ms"] = bc.over_ranks(statistics.median(moe[name]))
+            row[f"{name}_ep{ep}_tokens_per_s_per_gpu"] = TOKENS / ms * 1e3
+        del models
+    for name in ("moekit", "moekit_fused"):
+        row[f"{name}_weak_scaling"] = row[f"{name}_ep1_ms"] / row[f"{name}_ep{world}_ms"]
+    return row
+
+
+def main_ep(args) -> int:
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    world = dist.get_world_size()
+    cases = [(s, lambda s=s: run_ep_shape(s, args.layers, args.rounds, args.per_round))
+             for s in args.shapes]  # fmt: skip
+    rows, skipped, failed = bc.run_cases(cases)
+    if dist.get_rank() == 0:
+        data = {**bc.meta(True, layers=args.layers, world=world, failed=failed,
+                          skipped=skipped), "rows": rows}  # fmt: skip
+        cols = ["shape"]
+        for name, label in (("moekit", "moekit"), ("moekit_fused", "+fusions")):
+            cols += [(f"{label} EP1 ms", f"{name}_ep1_ms"),
+                     (f"{label} EP{world} ms", f"{name}_ep{world}_ms"),
+                     (f"{label} EP{world} tok/s/GPU", f"{name}_ep{world}_tokens_per_s_per_gpu"),
+                     (f"{label} weak scaling", f"{name}_weak_scaling")]  # fmt: skip
+        bars = {f"{label} EP{ep}": f"{name}_ep{ep}_tokens_per_s_per_gpu" for ep in (1, world)
+                for name, label in (("moekit", "moekit"), ("moekit_fused", "+ fusions"))}  # fmt: skip
+        panels = [bc.bars(rows, bars, "tokens/s per GPU (higher is better)")]
+        bc.finish(args.out, f"megatron_ep{world}", data, cols, panels,
+                  f"Megatron-Core GPT-MoE, EP {world} against EP 1")  # fmt: skip
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = bc.parser(__doc__, smoke=False)
     ap.add_argument("--shapes", nargs="*", default=["qwen3_30b_a3b", "deepseek_v3_ep8"])
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--per-round", type=int, default=3)
+    ap.add_argument("--ep", action="store_true", help="expert parallelism, under torchrun")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.ep:
+        return main_ep(args)
     mgpt.init_single_process()
     cases = [(s, lambda s=s: run_shape(s, args.layers, args.rounds, args.per_round))
              for s in args.shapes]  # fmt: skip

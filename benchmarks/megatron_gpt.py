@@ -33,12 +33,20 @@ def init_single_process(seed: int = 1234) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29531")
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(1, 1)
+    set_expert_parallel(1, seed)
+
+
+def set_expert_parallel(ep: int, seed: int = 1234) -> None:
+    """Megatron's parallel state at expert parallelism ``ep`` over the initialised world (data
+    parallel over all of it), replacing any earlier state; RNG trackers seeded."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(seed)
 
 
-def gpt_config(shape: str, layers: int, dtype, dispatcher: str = "alltoall") -> TransformerConfig:
+def gpt_config(shape: str, layers: int, dtype, dispatcher: str = "alltoall",
+               ep: int = 1) -> TransformerConfig:  # fmt: skip
     hidden, heads, experts, topk, ffn = SHAPES[shape]
     return TransformerConfig(
         num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -47,7 +55,7 @@ def gpt_config(shape: str, layers: int, dtype, dispatcher: str = "alltoall") -> 
         add_bias_linear=False, normalization="RMSNorm", moe_token_dispatcher_type=dispatcher,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-2,
         bf16=dtype == torch.bfloat16, params_dtype=dtype, hidden_dropout=0.0,
-        attention_dropout=0.0)  # fmt: skip
+        attention_dropout=0.0, expert_model_parallel_size=ep)  # fmt: skip
 
 
 class GroupedMMExperts(MoekitExperts):

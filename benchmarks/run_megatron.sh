@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The Megatron-Core backend on one GPU: its GPU tests (a tiny GPT-MoE against SequentialMLP),
-# its CPU tests against the installed megatron-core, benchmark_megatron.py, and the example's
-# training run; a compact table last.
-#   bash benchmarks/run_megatron.sh bench_out     (TESTS=0 / BENCH=0 / EXAMPLE=0 skip parts)
+# The Megatron-Core backend: its GPU tests (a tiny GPT-MoE against SequentialMLP), its CPU
+# tests against the installed megatron-core, benchmark_megatron.py, and the example's training
+# run on one GPU; with several GPUs also the expert-parallel check (EP = every GPU against
+# EP 1) and benchmark_megatron.py --ep; a compact table last.
+#   bash benchmarks/run_megatron.sh bench_out     (TESTS=0 / BENCH=0 / EXAMPLE=0 / EP=0 skip parts)
 # megatron-core from wheels in .whl/ when there are any (the GPU image has none installed).
 set -uo pipefail
+# NVLink multicast is forbidden on the test machines: keep these three set in every launch.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${1:-bench_out}
@@ -32,4 +35,13 @@ fi
 if [ "${BENCH:-1}" != 0 ]; then
   timeout "${BENCH_S:-300}" $PY benchmarks/benchmark_megatron.py --out "$OUT" ${MEGATRON_ARGS:-} \
     2>&1 | grep -v -i warn | tail -12
+fi
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "${EP:-1}" != 0 ] && [ "$NGPU" -ge 2 ]; then
+  RUN="$PY -m torch.distributed.run --standalone --nproc_per_node=$NGPU"
+  timeout "${CHECK_S:-240}" $RUN tests/integrations/gpu_megatron_ep_check.py \
+    > "$OUT/megatron_ep_check.log" 2>&1
+  echo "EP check: exit $?"; grep -E "^ok|Error|assert" "$OUT/megatron_ep_check.log" | head -12
+  timeout "${BENCH_S:-300}" $RUN benchmarks/benchmark_megatron.py --ep --out "$OUT" 2>&1 \
+    | grep -v -i warn | tail -8
 fi
