@@ -93,3 +93,26 @@ def batch(config: TransformerConfig, vocab: int, batch_size: int, seq: int, seed
     pos = torch.arange(seq, device="cuda").expand(batch_size, -1)
     mask = torch.ones(1, 1, seq, seq, device="cuda", dtype=torch.bool).triu(1)
     return ids[:, :-1], pos, mask, ids[:, 1:]
+
+
+def train_step(model, data) -> tuple:
+    """(logits, mean loss, {name: grad}) of one forward and backward of ``model`` on ``data``
+    (:func:`batch`'s), the experts' gradients keyed by expert in moekit's state-dict layout
+    (``…linear_fc1.weight<i>``, i the local expert; SequentialMLP's converted); a weight's
+    ``main_grad`` where it has no ``.grad`` (Megatron's DDP)."""
+    model.zero_grad(set_to_none=True)
+    ids, pos, mask, labels = data
+    loss = model(ids, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    with torch.no_grad():
+        logits = model(ids, pos, mask).float()
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
+        if name.endswith(("fc1_weight", "fc2_weight")):
+            fc = "linear_fc1" if name.endswith("fc1_weight") else "linear_fc2"
+            for i in range(p.shape[0]):
+                grads[name.rsplit(".", 1)[0] + f".{fc}.weight{i}"] = g[i].float()
+        elif g is not None:
+            grads[name] = g.float()
+    return logits, loss.detach(), sequential_to_grouped(grads)

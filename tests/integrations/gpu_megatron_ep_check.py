@@ -31,8 +31,6 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 
 import megatron_gpt as mgpt  # noqa: E402
 
-from moekit.integrations.megatron import sequential_to_grouped  # noqa: E402
-
 VOCAB, SEQ, BATCH, TOL = 128, 64, 4, 5e-3
 _LOCAL = re.compile(r"^(?P<head>.*local_experts\.)(?P<i>\d+)(?P<tail>\..*)$")
 _GROUPED = re.compile(r"^(?P<head>.*linear_fc[12]\.(weight|bias))(?P<i>\d+)$")
@@ -52,27 +50,14 @@ def shard(state: dict, first: int, count: int) -> dict:
 
 
 def step(model, data, first: int = 0) -> tuple:
-    """(logits, loss, {name: grad}) of one forward and backward; the experts' gradients keyed
-    by moekit's layout with global expert numbers (local + ``first``)."""
-    model.zero_grad(set_to_none=True)
-    ids, pos, mask, labels = data
-    loss = model(ids, pos, mask, labels=labels).float().mean()
-    loss.backward()
-    with torch.no_grad():
-        logits = model(ids, pos, mask).float()
-    grads = {}
-    for name, p in model.named_parameters():
-        if name.endswith(("fc1_weight", "fc2_weight")):
-            fc = "linear_fc1" if name.endswith("fc1_weight") else "linear_fc2"
-            for i in range(p.shape[0]):
-                grads[name.rsplit(".", 1)[0] + f".{fc}.weight{i}"] = p.grad[i].float()
-        elif p.grad is not None:
-            grads[name] = p.grad.float()
+    """``megatron_gpt.train_step``, the experts' gradients keyed by global expert number
+    (local + ``first``)."""
+    logits, loss, grads = mgpt.train_step(model, data)
     out = {}
-    for key, g in sequential_to_grouped(grads).items():
+    for key, g in grads.items():
         m = _GROUPED.match(key)
         out[f"{m['head']}{int(m['i']) + first}" if m else key] = g
-    return logits, loss.detach(), out
+    return logits, loss, out
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

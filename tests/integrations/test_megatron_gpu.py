@@ -28,26 +28,10 @@ def mgpt():
 
 
 def step(model, data):
-    """(logits, mean loss, {name: grad}) of one forward and backward, with the experts'
-    gradients keyed by expert (the state-dict layout of moekit's experts)."""
-    from moekit.integrations.megatron import sequential_to_grouped
+    """``megatron_gpt.train_step``: logits, loss and every gradient, experts' by expert."""
+    import megatron_gpt
 
-    model.zero_grad(set_to_none=True)
-    ids, pos, mask, labels = data
-    loss = model(ids, pos, mask, labels=labels).float().mean()
-    loss.backward()
-    with torch.no_grad():
-        logits = model(ids, pos, mask).float()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad if p.grad is not None else getattr(p, "main_grad", None)
-        if name.endswith(("fc1_weight", "fc2_weight")):
-            fc = "linear_fc1" if name.endswith("fc1_weight") else "linear_fc2"
-            for i in range(p.shape[0]):
-                grads[name.rsplit(".", 1)[0] + f".{fc}.weight{i}"] = g[i].float()
-        elif g is not None:
-            grads[name] = g.float()
-    return logits, loss.detach(), sequential_to_grouped(grads)
+    return megatron_gpt.train_step(model, data)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
