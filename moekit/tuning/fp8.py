@@ -66,12 +66,9 @@ class TileWalkConfig:
     """The tile of the kernels that write a tensor quantized both ways (1×128, and 128×1 along
     the tokens) from one read: the FP8 MLP's activation kernels and the two-way quantization.
     A 128-row token block by one 128-column block per program, walked ``chunk`` whole rows at
-    a time. A whole [128, 128] tile of the activation backward's three fp32 inputs and two
-    outputs held at once spills registers (ptxas for sm_90: 8.7 KB of spill stores at 8
-    warps); these chunks spill none. Of chunks of 16–64 rows at 4–16 warps (one H200, the
-    Qwen3 and the Mixtral shape), 16 rows at 4 warps was the fastest activation forward; the
-    backward takes 8 warps, within 11% of its fastest config, which spills (32 bytes at 4
-    warps, 232 with 32 rows)."""
+    a time: a whole [128, 128] tile of the activation backward's three fp32 inputs and two
+    outputs held at once spills registers, these chunks spill none. 16 rows at 4 warps is the
+    fastest forward; the backward takes 8 warps (its faster configs spill)."""
 
     block_m: int = 128
     block_n: int = 128

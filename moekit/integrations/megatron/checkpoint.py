@@ -110,7 +110,8 @@ def _expert_sharded(experts, i: int, prefix: str, sharded_offsets: tuple, metada
     keyed ``"linear_fc1.weight"``... (and ``"linear_fc1._extra_state"``...)."""
     E = experts.num_local_experts
     num_global, first = experts.ep_group.size() * E, experts.ep_group.rank() * E
-    if metadata.get("singleton_local_shards", False):
+    singleton = metadata.get("singleton_local_shards", False)
+    if singleton:
         sh_prefix, offsets = f"{prefix}experts.{first + i}.", tuple(sharded_offsets)
     else:
         expert_axis = (len(sharded_offsets), first + i, num_global)
@@ -129,7 +130,6 @@ def _expert_sharded(experts, i: int, prefix: str, sharded_offsets: tuple, metada
             sh = sd[f"{sh_prefix}{fc}.{kind}"]
             sh.replica_id = (*sh.replica_id[:2], experts.dp_group.rank())
             if kind != "_extra_state" and fc == "linear_fc1" and experts.options.activation.gated:
-                singleton = metadata.get("singleton_local_shards", False)
                 sh = apply_swiglu_sharded_factory(sh, offsets, singleton)
             out[f"{fc}.{kind}"] = sh
     return out
